@@ -1,0 +1,1 @@
+"""Ray Serve application over `actors/`: the OpenAI-compatible HTTP API (`specdec serve`)."""

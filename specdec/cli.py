@@ -1,0 +1,180 @@
+"""The `specdec` command line.
+
+    specdec generate --target MODEL [--draft MODEL|ngram|none] [--k N|auto] [sampling options] PROMPT
+
+Streams the text to stdout and a one-line summary to stderr, or prints one JSON object with
+`--json`. Bad input exits with code 2 and a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error: printed without a traceback, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return value
+
+
+def _k(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", required=True, metavar="MODEL",
+                   help="target model: a local HF model directory, a .gguf file, or a hub id")
+    g.add_argument("--draft", default="none", metavar="MODEL|ngram|none",
+                   help="draft: a smaller model sharing the target's tokenizer, 'ngram' (prompt lookup) "
+                        "or 'none' (target only) [default: none]")
+    g.add_argument("--k", type=_k, default=4, metavar="N|auto",
+                   help="speculative tokens per step, or 'auto' to choose per step [default: 4]")
+    g.add_argument("--max-k", type=_positive_int, default=8, help="largest K for --k auto [default: 8]")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [default: cuda if available]")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights dtype [default: float32 on CPU, bfloat16 on GPU]")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads (set it to your physical cores; oversubscription is slow)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: 0]")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] [default: 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off [default: 0]")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most [default: 256]")
+    g.add_argument("--seed", type=int, default=None, help="makes sampled output reproducible")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when this string appears (not included in the text); repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specdec import __version__
+
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="logging level [default: WARNING]")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt",
+                         description="Generate a completion with speculative decoding.")
+    add_model_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from specdec.config import EngineConfig
+
+    return EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        num_speculative_tokens=args.k,
+        max_speculative_tokens=args.max_k,
+        device=args.device,
+        dtype=args.dtype,
+        num_threads=args.threads,
+    )
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from specdec.config import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def summary_line(out) -> str:
+    s = out.speculative
+    tpf = out.completion_tokens / s.target_forwards if s.target_forwards else 0.0
+    accept = f"acceptance {s.acceptance_rate:.1%} ({s.num_accepted_tokens}/{s.num_draft_tokens})" \
+        if s.num_draft_tokens else "no drafts"
+    return (f"[specdec] {out.completion_tokens} tokens in {out.prefill_seconds + out.decode_seconds:.2f}s "
+            f"({out.tokens_per_second:.1f} tok/s) | {accept} | {tpf:.2f} tokens/target forward | "
+            f"finish: {out.finish_reason}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.engine import SpeculativeEngine
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise CliError("prompt is empty")
+    sampling = sampling_from_args(args)  # validate before loading models
+    config = engine_config_from_args(args)
+    engine = SpeculativeEngine.from_config(config)
+    if args.json:
+        out = engine.generate(prompt, sampling=sampling, chat=args.chat)
+        print(json.dumps(out.to_dict(), ensure_ascii=False))
+        return 0
+    out = None
+    for chunk in engine.generate_stream(prompt, sampling=sampling, chat=args.chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        out = chunk.output or out
+    sys.stdout.write("\n")
+    print(summary_line(out), file=sys.stderr)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    import os
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        return args.func(args)
+    except (CliError, ValueError) as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

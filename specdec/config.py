@@ -1,0 +1,121 @@
+"""Core configuration: what a request asks for (`SamplingParams`) and how the engine runs (`EngineConfig`).
+
+Both are frozen dataclasses validated in `__post_init__`, so a bad value fails where it is made with a
+`ValueError` naming the field. HTTP and file configs (pydantic) convert to these in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+#: Environment variables are read here and nowhere else.
+ENV_PREFIX = "SPECDEC_"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """Read `SPECDEC_<name>` from the environment."""
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. `temperature=0` is greedy (top_k/top_p are then irrelevant)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+#: `num_speculative_tokens` accepts an int or this string.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is built: which models, where, and how much it speculates.
+
+    `target` / `draft` are model specs (a local HF directory, a `.gguf` file, a hub id, or — for the
+    draft — `ngram` / `none`). `num_speculative_tokens` is K, or `"auto"` to pick K per step.
+    """
+
+    target: str
+    draft: str = "none"
+    num_speculative_tokens: int | str = 4
+    max_speculative_tokens: int = 8  # upper bound for k="auto"
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    ngram_min: int = 1
+    ngram_max: int = 4
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target.strip():
+            raise ValueError("target model must be given (a local directory, a .gguf file or a hub id)")
+        k = self.num_speculative_tokens
+        if isinstance(k, str):
+            if k.strip().lower() == AUTO:
+                object.__setattr__(self, "num_speculative_tokens", AUTO)
+            else:
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}") from None
+                object.__setattr__(self, "num_speculative_tokens", k)
+        k = self.num_speculative_tokens
+        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}")
+        if not isinstance(self.max_speculative_tokens, int) or self.max_speculative_tokens < 1:
+            raise ValueError(f"max_speculative_tokens must be >= 1, got {self.max_speculative_tokens!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.num_threads!r}")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def auto_k(self) -> bool:
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def k_max(self) -> int:
+        """The largest K any step may use."""
+        if self.auto_k:
+            return self.max_speculative_tokens
+        return int(self.num_speculative_tokens)

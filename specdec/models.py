@@ -1,0 +1,222 @@
+"""Model loading: turn a model spec into a ready (model, tokenizer) pair on the right device.
+
+A spec is one of
+- a local Hugging Face model directory (config.json + safetensors/bin weights),
+- a local `.gguf` file (transformers' GGUF loader dequantizes it), or a directory holding one,
+- a Hugging Face hub id (`org/name`): loaded from the local HF cache, or downloaded where the hub
+  is reachable. Where it is not, loading fails within seconds with a message saying so, instead of
+  retrying for a minute.
+
+Also here: device/dtype/thread selection, and the check that a target and a draft share a vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be loaded; the message says why and what to pass instead."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for forwards, with its tokenizer and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    spec: str  # as the user gave it
+    source: str  # the resolved path or hub id
+    load_seconds: float
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's logits (may exceed the tokenizer's vocabulary: padded embeddings)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        n = getattr(text_cfg, "max_position_embeddings", None)
+        return int(n) if n else 2048
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for value in (gen_eos, getattr(self.tokenizer, "eos_token_id", None)):
+            if value is None:
+                continue
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+        return frozenset(int(i) for i in ids)
+
+
+def select_device(device: str | None) -> torch.device:
+    """`None` means CUDA when present, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    return dev
+
+
+def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on CPU (exact, and the fastest matmul path for fp32 weights) and bfloat16 on GPU."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def set_threads(num_threads: int | None) -> None:
+    """Set torch's intra-op threads for this process (one setting per process: torch's is global)."""
+    if num_threads is not None and torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    kind: str  # "dir" | "gguf" | "hub"
+    path: str  # directory (dir, gguf) or hub id
+    gguf_file: str | None = None
+
+
+def resolve_spec(spec: str) -> ResolvedSpec:
+    """Decide what a model spec names, without loading anything. Raises ModelLoadError."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelLoadError("empty model spec: pass a local directory, a .gguf file or a hub id")
+    spec = spec.strip()
+    path = Path(os.path.expanduser(spec))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec}: a model file must be a .gguf file; for safetensors pass its directory")
+        return ResolvedSpec("gguf", str(path.parent.resolve()), path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ResolvedSpec("dir", str(path.resolve()))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ResolvedSpec("gguf", str(path.resolve()), ggufs[0].name)
+        what = f"{len(ggufs)} .gguf files (pass one of them)" if ggufs else "no config.json and no .gguf file"
+        raise ModelLoadError(f"{spec}: not a model directory: it holds {what}")
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise ModelLoadError(f"model path {spec!r} does not exist")
+    return ResolvedSpec("hub", spec)
+
+
+def _hub_reachable() -> tuple[bool, str]:
+    """Can we open a TCP connection to the hub endpoint within a few seconds?"""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False, "HF_HUB_OFFLINE is set"
+    try:
+        with socket.create_connection((host, port), timeout=_HUB_PROBE_TIMEOUT_S):
+            return True, ""
+    except OSError as e:
+        return False, f"{host}:{port} is unreachable ({e.__class__.__name__}: {e})"
+
+
+def load_model(
+    spec: str,
+    device: torch.device | str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a spec (see module docstring). Raises ModelLoadError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = device if isinstance(device, torch.device) else select_device(device)
+    torch_dtype = select_dtype(dtype, dev)
+    resolved = resolve_spec(spec)
+    start = time.perf_counter()
+    kwargs: dict = {"trust_remote_code": trust_remote_code}
+    if resolved.kind == "gguf":
+        kwargs["gguf_file"] = resolved.gguf_file
+        logger.info("loading %s from GGUF (dequantizing: this takes a while for large models)", spec)
+    if resolved.kind == "hub":
+        model, tokenizer = _load_from_hub(resolved.path, torch_dtype, kwargs)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolved.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
+    model.to(dev)
+    model.eval()
+    loaded = LoadedModel(model, tokenizer, spec, resolved.path, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %s) in %.1fs", spec, loaded.dtype, loaded.device, loaded.load_seconds)
+    return loaded
+
+
+def _load_from_hub(repo_id: str, torch_dtype: torch.dtype, kwargs: dict):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(local_only: bool):
+        tok = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only, **kwargs)
+        mdl = AutoModelForCausalLM.from_pretrained(repo_id, dtype=torch_dtype, local_files_only=local_only, **kwargs)
+        return mdl, tok
+
+    try:
+        return load(local_only=True)
+    except (OSError, ValueError):
+        pass  # not in the local HF cache: try the hub, if it can be reached
+    ok, why = _hub_reachable()
+    if not ok:
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local path, and the Hugging Face hub cannot be reached to download it ({why}). "
+            "Pass a local model directory or a .gguf file."
+        )
+    try:
+        return load(local_only=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {repo_id!r} from the Hugging Face hub: {e}") from e
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a target/draft pair whose tokenizers map ids to different tokens.
+
+    Speculative decoding compares token ids, so a draft with another vocabulary would only produce
+    rejections (or, with a coincidentally equal size, garbage acceptances).
+    """
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+    if t_vocab == d_vocab:
+        return
+    t_by_id = {i: s for s, i in t_vocab.items()}
+    d_by_id = {i: s for s, i in d_vocab.items()}
+    differing = [i for i in sorted(set(t_by_id) | set(d_by_id)) if t_by_id.get(i) != d_by_id.get(i)]
+    sample = ", ".join(f"id {i}: target {t_by_id.get(i)!r} vs draft {d_by_id.get(i)!r}" for i in differing[:5])
+    raise ValueError(
+        f"target {target.spec!r} and draft {draft.spec!r} do not share a tokenizer: vocabulary sizes "
+        f"{len(t_vocab)} vs {len(d_vocab)}, {len(differing)} ids differ (e.g. {sample}). "
+        "Use a draft from the same model family, or --draft ngram."
+    )

@@ -1,0 +1,56 @@
+"""What every proposer (the "draft") returns, and the one shape it is called with.
+
+A proposer gets the committed context of a sequence and K, and returns up to K proposed token ids
+with the distributions they were drawn from. It may return fewer (n-gram lookup finds no match; the
+draft model reaches its context limit); the step then verifies what there is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # [num_proposed]
+    # [num_proposed, vocab] the warped distributions the ids were sampled from; None when the
+    # proposer is deterministic (n-gram lookup, or any greedy draft): q is then one-hot.
+    probs: torch.Tensor | None = None
+    num_forwards: int = 0  # draft model forward passes it took
+    num_catchup_tokens: int = 0  # committed tokens the draft had not seen yet, fed in the first forward
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Proposer(Protocol):
+    """The one shape of a proposer (cf. vLLM v1 `spec_decode/`)."""
+
+    #: `model` or `ngram`; used in logs and stats.
+    name: str
+
+    def new_state(self) -> Any:
+        """Per-sequence state (a draft KV cache, or None); kept by the caller, passed back each call."""
+
+    def propose(
+        self,
+        state: Any,
+        context_token_ids: Sequence[int],
+        num_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        """Propose up to `num_tokens` ids continuing `context_token_ids` (the committed sequence)."""
+
+    def rewind(self, state: Any, context_token_ids: Sequence[int]) -> None:
+        """Drop any state beyond the longest prefix shared with `context_token_ids`."""
+
+    def release(self, state: Any) -> None:
+        """Free the per-sequence state."""

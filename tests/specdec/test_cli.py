@@ -1,0 +1,94 @@
+"""The `specdec` command line: JSON output, streaming, and exit code 2 on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_installed_entry_point(tiny_llama, tiny_llama_draft):
+    proc = subprocess.run(
+        ["specdec", "generate", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--k", "3",
+         "--max-tokens", "20", "--json", "w5 w6 w7 w8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"text", "token_ids", "finish_reason", "usage", "speculative"}
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": len(out["token_ids"]),
+                            "total_tokens": 4 + len(out["token_ids"])}
+    spec = out["speculative"]
+    assert set(spec) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+                         "mean_accepted_length", "accepted_per_position", "target_forwards"}
+    assert len(spec["accepted_per_position"]) == 3
+    assert spec["num_accepted_tokens"] == sum(spec["accepted_per_position"])
+    assert 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_missing_model_exits_2(tmp_path):
+    proc = run_cli("generate", "--target", str(tmp_path / "missing"), "hello")
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_streaming_prints_text_and_summary(tiny_llama, capsys):
+    assert main(["generate", "--target", str(tiny_llama), "--draft", "ngram", "--max-tokens", "12", "w1 w2 w3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().startswith("w")
+    assert "tok/s" in captured.err and "tokens/target forward" in captured.err
+
+
+def test_json_matches_python_api(tiny_llama, capsys):
+    from specdec import SamplingParams, SpeculativeEngine
+
+    assert main(["generate", "--target", str(tiny_llama), "--draft", "ngram", "--max-tokens", "16", "--json",
+                 "w1 w2 w3"]) == 0
+    cli_out = json.loads(capsys.readouterr().out)
+    engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft="ngram")
+    assert cli_out["token_ids"] == engine.generate("w1 w2 w3", sampling=SamplingParams(max_tokens=16)).token_ids
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.1"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--k", "0"], "k must be"),
+    (["--max-tokens", "600"], "exceeds the model's context"),
+    (["--chat"], "no chat template"),
+])
+def test_bad_options_exit_2(tiny_llama, capsys, args, message):
+    assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_k_syntax_exits_2(tiny_llama, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", str(tiny_llama), "--k", "lots", "w1"])
+    assert e.value.code == 2
+
+
+def test_empty_prompt_exits_2(tiny_llama, capsys):
+    assert main(["generate", "--target", str(tiny_llama), "  "]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_mismatched_tokenizers_exit_2(tiny_llama, tiny_other_vocab, capsys):
+    assert main(["generate", "--target", str(tiny_llama), "--draft", str(tiny_other_vocab), "w1"]) == 2
+    assert "do not share a tokenizer" in capsys.readouterr().err
+
+
+def test_prompt_from_stdin(tiny_llama, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w1 w2 w3"))
+    assert main(["generate", "--target", str(tiny_llama), "--max-tokens", "4", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["usage"]["prompt_tokens"] == 3

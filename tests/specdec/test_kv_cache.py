@@ -1,0 +1,72 @@
+"""KV cache rewind: after cropping, the cache equals the cache of recomputing the kept prefix."""
+
+import pytest
+import torch
+
+from specdec import SamplingParams
+from specdec.model_runner import ModelRunner
+from specdec.models import load_model
+from specdec.proposers import DraftModelProposer
+from specdec.sampling import make_generator
+
+
+def assert_caches_close(a, b):
+    assert len(a) == len(b) == a.cache.get_seq_length() == b.cache.get_seq_length()
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    return ModelRunner(load_model(str(tiny_llama)))
+
+
+def test_rewind_equals_recompute(runner):
+    committed = [4, 8, 15, 16, 23]
+    speculative = [42, 7, 7]
+    cache = runner.new_cache()
+    runner.forward(cache, committed[:3])
+    runner.forward(cache, committed[3:] + speculative, num_logits=5)  # a verify step with rejects
+    cache.rewind(len(committed))
+    fresh = runner.new_cache()
+    runner.forward(fresh, committed)
+    assert cache.token_ids == committed
+    assert_caches_close(cache, fresh)
+    # And the rewound cache continues exactly like a fresh one.
+    torch.testing.assert_close(runner.forward(cache, [1, 2], 2), runner.forward(fresh, [1, 2], 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rewind_to_prefix_of_keeps_common_prefix(runner):
+    cache = runner.new_cache()
+    runner.forward(cache, [1, 2, 3, 4, 5])
+    assert cache.rewind_to_prefix_of([1, 2, 3, 9, 9, 9]) == 3
+    assert cache.token_ids == [1, 2, 3] and cache.cache.get_seq_length() == 3
+
+
+def test_rewind_out_of_range_raises(runner):
+    cache = runner.new_cache()
+    runner.forward(cache, [1, 2])
+    with pytest.raises(ValueError, match="cannot rewind"):
+        cache.rewind(3)
+
+
+def test_draft_catches_up_without_recompute(runner):
+    """After a verify step the draft holds the committed prefix and feeds only what it has not seen."""
+    proposer = DraftModelProposer(runner)
+    state = proposer.new_state()
+    greedy = SamplingParams()
+    context = [4, 8, 15, 16]
+    proposal = proposer.propose(state, context, 4, greedy, make_generator(0, "draft"))
+    assert len(proposal) == 4 and proposal.num_catchup_tokens == 3  # the prompt, minus its last token
+    assert state.token_ids == context + proposal.token_ids[:3]
+    # The target accepted 2 and emitted a different third token.
+    committed = context + proposal.token_ids[:2] + [(proposal.token_ids[2] + 1) % 96]
+    proposer.rewind(state, committed)
+    assert state.token_ids == context + proposal.token_ids[:2]
+    proposal2 = proposer.propose(state, committed, 2, greedy, make_generator(0, "draft"))
+    assert proposal2.num_catchup_tokens == 0  # only the new token is fed, with the first draft step
+    fresh = runner.new_cache()
+    runner.forward(fresh, committed + proposal2.token_ids[:1])
+    assert_caches_close(state, fresh)

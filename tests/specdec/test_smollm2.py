@@ -1,0 +1,57 @@
+"""A real pretrained model: SmolLM2-135M-Instruct from its GGUF file (fetched from PyPI)."""
+
+import pytest
+import torch
+
+from specdec import SamplingParams, SpeculativeEngine
+
+PROMPT = "Write a Python function that checks whether a number is prime.\n\ndef is_prime(n):"
+MAX_TOKENS = 72
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf):
+    return SpeculativeEngine.from_pretrained(str(smollm2_gguf), draft="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    ids = engine.tokenize(PROMPT)
+    with torch.no_grad():
+        out = engine.target_model.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_ngram_greedy_equals_hf_generate(engine, reference):
+    out = engine.generate(PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    assert out.token_ids == reference
+    assert len(reference) >= 64
+    assert out.speculative.num_draft_tokens > 0
+
+
+def test_self_draft_accepts_everything(engine, reference, smollm2_gguf):
+    from specdec.config import EngineConfig
+
+    config = EngineConfig(target=str(smollm2_gguf), draft=str(smollm2_gguf), num_speculative_tokens=4)
+    self_engine = SpeculativeEngine(config, engine.target_model, engine.target_model)  # one model, two roles
+    out = self_engine.generate(PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    assert out.token_ids == reference
+    assert out.speculative.acceptance_rate == 1.0
+    assert out.speculative.mean_accepted_length > 4.0
+
+
+def test_streamed_text_equals_decoded_tokens(engine):
+    prompt = "Translate to French, with accents: 'The café is open. Où est la gare?'"
+    chunks = list(engine.generate_stream(prompt, sampling=SamplingParams(max_tokens=40), chat=True))
+    out = chunks[-1].output
+    assert "".join(c.text for c in chunks) == out.text
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(engine):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234)
+    a = engine.generate(PROMPT, sampling=params)
+    b = engine.generate(PROMPT, sampling=params)
+    c = engine.generate(PROMPT, sampling=params.replace(seed=99))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids

@@ -1,0 +1,69 @@
+"""Choosing K: the cost model and the auto-K policy."""
+
+import pytest
+
+from specdec import SamplingParams, SpeculativeEngine
+from specdec.speculation_length import AutoK, CostModel, expected_tokens, theoretical_speedup
+
+
+def test_expected_tokens_and_speedup_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # Leviathan et al. (2023), eq. 1 with alpha=0.8, K=4, c=0.05: ~2.8x
+    assert theoretical_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+
+
+def test_target_cost_interpolates_and_extrapolates():
+    costs = CostModel(smoothing=1.0)
+    assert costs.target_cost(3) is None
+    costs.observe_target(1, 1.0)
+    assert costs.target_cost(5) == 1.0  # one point: flat until measured
+    costs.observe_target(5, 3.0)
+    assert costs.target_cost(3) == pytest.approx(2.0)
+    assert costs.target_cost(9) == pytest.approx(5.0)
+
+
+def measured(t1=1.0, slope=0.05, draft=0.05):
+    costs = CostModel(smoothing=1.0)
+    for n in (1, 5):
+        costs.observe_target(n, t1 + slope * (n - 1))
+    costs.observe_draft(1, draft)
+    return costs
+
+
+def test_good_draft_speculates_deeply():
+    policy = AutoK(measured(), k_max=8)
+    for _ in range(30):
+        policy.observe(8, 8)
+    assert policy.next_k() >= 6
+
+
+def test_hopeless_draft_falls_back_to_target_only_and_probes_with_backoff():
+    policy = AutoK(measured(draft=0.9), k_max=8)
+    for _ in range(10):
+        policy.observe(4, 0)
+    ks = [policy.next_k() for _ in range(100)]
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    assert ks[0] == 0
+    assert 1 <= len(probes) <= 5  # intervals double: 8, 16, 32, 64
+    assert all(b - a > 8 for a, b in zip(probes[1:], probes[2:]))
+
+
+def test_expensive_verify_prefers_short_proposals():
+    cheap = AutoK(measured(slope=0.0), k_max=8)
+    costly = AutoK(measured(slope=0.8), k_max=8)
+    for policy in (cheap, costly):
+        for _ in range(20):
+            policy.observe(4, 3)
+    assert costly.next_k() < cheap.next_k()
+
+
+def test_engine_with_unrelated_draft_falls_back(tiny_llama, tiny_llama_unrelated):
+    """An unrelated random draft (same vocabulary, independent weights): auto K stops drafting."""
+    engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_unrelated),
+                                               num_speculative_tokens="auto")
+    out = engine.generate(prompt_token_ids=[5, 6, 7, 8, 9], sampling=SamplingParams(max_tokens=120, ignore_eos=True))
+    history = out.k_history
+    assert history[0] == 0  # measures plain decoding first
+    assert sum(1 for k in history[len(history) // 2:] if k == 0) >= 0.8 * (len(history) - len(history) // 2)

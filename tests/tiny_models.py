@@ -1,0 +1,75 @@
+"""Tiny randomly initialised causal LMs, built from configs and saved to disk, so tests exercise the
+real loading path (`load_model` on a directory) without any download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tokenizer(vocab_size: int, eos: bool = True):
+    """A word-level tokenizer over the words w0 .. w{n}; id 0 is <eos> when `eos`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>"] + [f"w{i}" for i in range(1, vocab_size)] if eos else [f"w{i}" for i in range(vocab_size)]
+    vocab = {w: i for i, w in enumerate(words)}
+    unk = "<eos>" if eos else "w0"
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    kwargs = {"eos_token": "<eos>"} if eos else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+def make_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, context: int = 512, init_range: float = 0.2, eos_token_id: int | None = 0):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context,
+        initializer_range=init_range,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int = 0, tokenizer=None,
+               perturb_from: Path | None = None, noise: float = 0.0, **config_kwargs) -> Path:
+    """Build, save and return the directory of a tiny random model.
+
+    `perturb_from`: start from that model's weights plus Gaussian noise of std `noise`, which gives a
+    draft that agrees with the target often but not always.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    if perturb_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(perturb_from, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise * p.std().clamp(min=1e-3))
+    else:
+        config = make_config(arch, vocab_size, **config_kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.save_pretrained(path)
+    tok = tokenizer or make_tokenizer(model.config.vocab_size, eos=model.config.eos_token_id is not None)
+    tok.save_pretrained(path)
+    return path
