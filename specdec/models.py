@@ -157,70 +157,90 @@ def load_model(
     device: torch.device | str | None = None,
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    tensor_parallel: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec (see module docstring). Raises ModelLoadError."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a causal LM and its tokenizer from a spec (see module docstring). Raises ModelLoadError.
+
+    `tensor_parallel`: shard the model over the already initialised `torch.distributed` process
+    group with transformers' built-in plan (`tp_plan="auto"`); each rank holds its slice of every
+    linear layer and the KV cache of its own attention heads.
+    """
+    from transformers import AutoModelForCausalLM
 
     dev = device if isinstance(device, torch.device) else select_device(device)
     torch_dtype = select_dtype(dtype, dev)
-    resolved = resolve_spec(spec)
     start = time.perf_counter()
-    kwargs: dict = {"trust_remote_code": trust_remote_code}
-    if resolved.kind == "gguf":
-        kwargs["gguf_file"] = resolved.gguf_file
+    resolved = _materialize(resolve_spec(spec))
+    tokenizer = _pretrained("AutoTokenizer", resolved, spec, trust_remote_code)
+    extra: dict = {"dtype": torch_dtype}
+    if tensor_parallel:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto")
+    elif resolved.kind == "gguf":
         logger.info("loading %s from GGUF (dequantizing: this takes a while for large models)", spec)
-    if resolved.kind == "preset":
-        try:
-            resolved = ResolvedSpec("dir", str(model_cache.ensure(resolved.path)))
-        except ValueError as e:
-            raise ModelLoadError(str(e)) from e
-    if resolved.kind == "hub":
-        model, tokenizer = _load_from_hub(resolved.path, torch_dtype, kwargs)
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(resolved.path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **kwargs)
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
-    model.to(dev)
+    model = _pretrained(AutoModelForCausalLM, resolved, spec, trust_remote_code, **extra)
+    if not tensor_parallel:
+        model.to(dev)
     model.eval()
     loaded = LoadedModel(model, tokenizer, spec, resolved.path, time.perf_counter() - start)
     logger.info("loaded %s (%s, %s) in %.1fs", spec, loaded.dtype, loaded.device, loaded.load_seconds)
     return loaded
 
 
-def _load_from_hub(repo_id: str, torch_dtype: torch.dtype, kwargs: dict):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """Only the tokenizer of a model spec (pulling a preset if needed)."""
+    return _pretrained("AutoTokenizer", _materialize(resolve_spec(spec)), spec, trust_remote_code)
 
-    def load(local_only: bool):
-        tok = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only, **kwargs)
-        mdl = AutoModelForCausalLM.from_pretrained(repo_id, dtype=torch_dtype, local_files_only=local_only, **kwargs)
-        return mdl, tok
 
+def _materialize(resolved: ResolvedSpec) -> ResolvedSpec:
+    """Presets become their cached directory (pulled on first use)."""
+    if resolved.kind != "preset":
+        return resolved
     try:
-        return load(local_only=True)
+        return ResolvedSpec("dir", str(model_cache.ensure(resolved.path)))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def _pretrained(cls, resolved: ResolvedSpec, spec: str, trust_remote_code: bool, **kwargs):
+    """`cls.from_pretrained` for a resolved spec; hub ids try the local HF cache before the network."""
+    if isinstance(cls, str):
+        import transformers
+
+        cls = getattr(transformers, cls)
+    kwargs["trust_remote_code"] = trust_remote_code
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    if resolved.kind != "hub":
+        try:
+            return cls.from_pretrained(resolved.path, **kwargs)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
+    try:
+        return cls.from_pretrained(resolved.path, local_files_only=True, **kwargs)
     except (OSError, ValueError):
         pass  # not in the local HF cache: try the hub, if it can be reached
     ok, why = _hub_reachable()
     if not ok:
         raise ModelLoadError(
-            f"{repo_id!r} is not a preset or a local path, and the Hugging Face hub cannot be reached to download "
+            f"{spec!r} is not a preset or a local path, and the Hugging Face hub cannot be reached to download "
             f"it ({why}). Pass a preset ({', '.join(PRESETS)}), a local model directory or a .gguf file."
         )
     try:
-        return load(local_only=False)
+        return cls.from_pretrained(resolved.path, **kwargs)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load {repo_id!r} from the Hugging Face hub: {e}") from e
+        raise ModelLoadError(f"cannot load {spec!r} from the Hugging Face hub: {e}") from e
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = "target",
+                          draft_name: str = "draft") -> None:
     """Refuse a target/draft pair whose tokenizers map ids to different tokens.
 
     Speculative decoding compares token ids, so a draft with another vocabulary would only produce
     rejections (or, with a coincidentally equal size, garbage acceptances).
     """
-    t_tok, d_tok = target.tokenizer, draft.tokenizer
-    t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if t_vocab == d_vocab:
         return
     t_by_id = {i: s for s, i in t_vocab.items()}
@@ -228,7 +248,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     differing = [i for i in sorted(set(t_by_id) | set(d_by_id)) if t_by_id.get(i) != d_by_id.get(i)]
     sample = ", ".join(f"id {i}: target {t_by_id.get(i)!r} vs draft {d_by_id.get(i)!r}" for i in differing[:5])
     raise ValueError(
-        f"target {target.spec!r} and draft {draft.spec!r} do not share a tokenizer: vocabulary sizes "
+        f"target {target_name!r} and draft {draft_name!r} do not share a tokenizer: vocabulary sizes "
         f"{len(t_vocab)} vs {len(d_vocab)}, {len(differing)} ids differ (e.g. {sample}). "
         "Use a draft from the same model family, or --draft ngram."
     )

@@ -27,6 +27,8 @@ class StreamChunk:
     text: str
     finish_reason: str | None = None
     output: "GenerationOutput | None" = None
+    num_proposed: int = 0  # draft tokens this step verified (K of the step)
+    cache_lengths: list[int] | None = None  # target cache length per shard after the step's rewind (Ray engine)
 
 
 @dataclass
@@ -109,6 +111,20 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def clamp_k(self, k: int, max_context: int) -> int:
+        """Never propose past max_tokens (the bonus token fills the last slot) or the target's context."""
+        return max(0, min(k, self.remaining - 1, max_context - len(self.token_ids)))
+
+    def record_step(self, num_proposed: int, num_accepted: int, draft_forwards: int = 0,
+                    draft_seconds: float = 0.0, target_seconds: float = 0.0) -> None:
+        """Count one verification step in the request's stats."""
+        self.k_history.append(num_proposed)
+        self.stats.record_step(num_proposed, num_accepted)
+        self.stats.target_forwards += 1
+        self.stats.draft_forwards += draft_forwards
+        self.stats.draft_seconds += draft_seconds
+        self.stats.target_seconds += target_seconds
 
     def commit(self, token_ids: Seq[int]) -> StreamChunk:
         """Append verified tokens one by one until a stopping rule fires; return what was added."""

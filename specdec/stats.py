@@ -28,6 +28,10 @@ class SpeculativeStats:
     draft_forwards: int = 0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    # Ray engine only: pre-drafted blocks used (hits) or thrown away (misses), and draft failures.
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
+    draft_failures: int = 0
 
     def record_step(self, num_proposed: int, num_accepted: int) -> None:
         """Count one verification step (the target forward is counted by the caller)."""
@@ -56,7 +60,8 @@ class SpeculativeStats:
     def merge(self, other: "SpeculativeStats") -> None:
         """Add another request's counts to these."""
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
-                     "draft_forwards", "draft_seconds", "target_seconds"):
+                     "draft_forwards", "draft_seconds", "target_seconds", "pipeline_hits", "pipeline_misses",
+                     "draft_failures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.proposed_per_position, other.proposed_per_position)):
@@ -77,4 +82,7 @@ class SpeculativeStats:
             "draft_forwards": self.draft_forwards,
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "pipeline_hits": self.pipeline_hits,
+            "pipeline_misses": self.pipeline_misses,
+            "draft_failures": self.draft_failures,
         }

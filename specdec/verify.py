@@ -46,8 +46,12 @@ def verify_greedy(draft_token_ids: Sequence[int], target_logits: torch.Tensor) -
     draft_token_ids: K proposed ids.
     target_logits: `[K+1, vocab]`; row i predicts the token at proposal position i.
     """
+    return verify_greedy_ids(draft_token_ids, target_logits.argmax(dim=-1).tolist())
+
+
+def verify_greedy_ids(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> VerifyResult:
+    """Greedy verification from the target's argmax ids `[K+1]` (what a remote target shard returns)."""
     k = len(draft_token_ids)
-    target_token_ids = target_logits.argmax(dim=-1).tolist()  # [K+1]
     num_accepted = 0
     while num_accepted < k and draft_token_ids[num_accepted] == target_token_ids[num_accepted]:
         num_accepted += 1

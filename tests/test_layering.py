@@ -17,3 +17,12 @@ def test_core_does_not_import_upper_layers():
                  if any(w in p.read_text() for w in ("import ray", "from ray", "from actors", "import actors",
                                                        "from deployments", "import deployments"))]
     assert offenders == []
+
+
+def test_actors_do_not_import_deployments():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "actors"
+    offenders = [str(p) for p in root.rglob("*.py")
+                 if any(w in p.read_text() for w in ("from deployments", "import deployments"))]
+    assert offenders == []

@@ -1,0 +1,258 @@
+"""The coordinator: runs the speculative loop of many requests at once over remote actors.
+
+Per step of a request: ask the draft worker for K proposals, send [last token, proposals] to every
+target shard for one verify forward, run acceptance (the core's `verify.py`), commit through the
+core's `Sequence`, then rewind every shard's cache to the committed length and check that all
+shards agree. Only orchestration lives here; the algorithm is the core's.
+
+Pipelining (the post-verify overlap of PEARL, arXiv 2408.11850): while the shards verify block i,
+the draft already drafts block i+1 assuming block i is accepted whole; its first token is its guess
+of the bonus token. If verification accepts all of block i and the bonus token equals that guess,
+the rest is the next proposal at no wait; otherwise it is dropped (the draft rewinds to the
+committed prefix on its next call). Output is identical either way under greedy decoding and has the
+same distribution under sampling. Requests are async tasks of one actor, so the draft works on one
+request while the shards verify another.
+
+Failures: a dead draft makes its requests finish target-only (K=0) and is restarted by Ray for
+later ones; a failed shard fails the requests in flight with a clear error and the whole shard
+group (and its process group) is rebuilt for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import ray
+
+from actors.builder import create_draft_worker, create_target_group, kill_target_group
+from actors.config import RayEngineConfig
+from specdec.config import AUTO, SamplingParams
+from specdec.models import check_same_vocabulary, load_tokenizer
+from specdec.prompt import resolve_prompt
+from specdec.proposers import Proposal
+from specdec.sequence import Sequence as GenSequence, StreamChunk
+from specdec.speculation_length import AutoK, CostModel, FixedK
+from specdec.verify import verify_greedy_ids, verify_sampled
+
+logger = logging.getLogger(__name__)
+
+
+class TargetShardError(RuntimeError):
+    """A target shard failed or died; the request cannot complete (the group is being rebuilt)."""
+
+
+class Coordinator:
+    def __init__(self, config: RayEngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        self.draft = None
+        self.group = None  # actors.builder.TargetGroup
+        self.info: dict = {}
+        self.costs = CostModel()
+        self._group_ready: asyncio.Event | None = None
+        self._generation = 0  # bumped at every rebuild of the shard group
+
+    async def start(self) -> dict:
+        """Load tokenizers, check the pair, start the shard group and the draft worker."""
+        from specdec.cli import _quiet_libraries
+
+        _quiet_libraries()
+        engine = self.config.engine
+        self.tokenizer = load_tokenizer(engine.target, engine.trust_remote_code)
+        if engine.draft not in ("ngram", "none"):
+            check_same_vocabulary(self.tokenizer, load_tokenizer(engine.draft, engine.trust_remote_code),
+                                  engine.target, engine.draft)
+        self._group_ready = asyncio.Event()
+        self.group = await create_target_group(self.config)
+        self.info = self.group.info
+        self._group_ready.set()
+        if engine.draft != "none":
+            self.draft = create_draft_worker(self.config, self.info["vocab_size"])
+            await self.draft.ready.remote()
+        return self.info
+
+    def shutdown(self) -> None:
+        kill_target_group(self.group)
+        self.group = None
+        if self.draft is not None:
+            ray.kill(self.draft, no_restart=True)
+            self.draft = None
+
+    # --------------------------------------------------------------------------- inspection
+
+    def handles(self) -> dict:
+        return {"draft": self.draft, "shards": list(self.group.shards) if self.group else []}
+
+    async def cache_lengths(self, request_id: str) -> list:
+        return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
+
+    # ---------------------------------------------------------------------------- requests
+
+    async def generate_stream(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                              sampling: SamplingParams | None = None, chat: bool = False,
+                              request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        sampling = sampling or SamplingParams()
+        ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.info["vocab_size"],
+                             self.info["max_context"], self.config.engine.target)
+        await self._group_ready.wait()
+        request_id = request_id or uuid.uuid4().hex
+        group, generation = self.group, self._generation
+        seq = GenSequence(ids, sampling, self.tokenizer, frozenset(self.info["eos_token_ids"]))
+        policy = self._policy()
+        draft_ok = self.draft is not None
+        try:
+            if len(ids) > 1:
+                await self._forward(group, generation, request_id, ids[:-1], 1, 0, greedy=True)
+            seq.prefill_seconds = time.perf_counter() - seq.started
+            pending: Proposal | None = None
+            while not seq.finished:
+                chunk, pending, draft_ok = await self._step(request_id, seq, policy, group, generation, pending,
+                                                            draft_ok)
+                if seq.finished:
+                    chunk.output = seq.output()
+                yield chunk
+        finally:
+            await self._release(group, request_id)
+
+    def _policy(self):
+        engine = self.config.engine
+        if engine.draft == "none":
+            return FixedK(0)
+        if engine.num_speculative_tokens == AUTO:
+            return AutoK(self.costs, engine.k_max)
+        return FixedK(int(engine.num_speculative_tokens))
+
+    async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok):
+        sampling = seq.sampling
+        k = seq.clamp_k(policy.next_k(), self.info["max_context"]) if draft_ok else 0
+        t0 = time.perf_counter()
+        proposal, drafted = Proposal([]), False
+        if k > 0:
+            if pending is not None and len(pending):
+                proposal = _truncate(pending, k)
+            else:
+                try:
+                    proposal = await self.draft.propose.remote(request_id, seq.token_ids, k, sampling)
+                    drafted = True
+                except ray.exceptions.RayError as e:
+                    draft_ok = self._draft_failed(seq, e)
+        t1 = time.perf_counter()
+        inputs = [seq.token_ids[-1]] + proposal.token_ids
+        verify = self._submit(group, "forward", request_id, inputs, len(inputs), len(seq.token_ids) - 1,
+                              sampling.greedy)
+        predraft = None
+        if self.config.pipeline and draft_ok and len(proposal):
+            predraft = self.draft.propose.remote(request_id, seq.token_ids + proposal.token_ids, len(proposal) + 1,
+                                                 sampling)
+        target_out = (await self._await_shards(verify, generation, "verification"))[0]
+        t2 = time.perf_counter()
+        if sampling.greedy:
+            result = verify_greedy_ids(proposal.token_ids, target_out)
+        else:
+            from specdec.sampling import logits_to_probs
+
+            result = verify_sampled(proposal.token_ids, proposal.probs, logits_to_probs(target_out, sampling),
+                                    seq.verify_generator)
+        chunk = seq.commit(result.token_ids)
+        chunk.num_proposed = len(proposal)
+        if not seq.finished:
+            chunk.cache_lengths = await self._rewind(group, generation, request_id, len(seq.token_ids) - 1)
+        next_pending = None
+        if predraft is not None:
+            if result.all_accepted and not seq.finished:
+                try:
+                    early = await predraft
+                except ray.exceptions.RayError as e:
+                    draft_ok = self._draft_failed(seq, e)
+                else:
+                    if early.token_ids and early.token_ids[0] == result.token_ids[-1]:
+                        next_pending = Proposal(early.token_ids[1:],
+                                                early.probs[1:] if early.probs is not None else None)
+            if next_pending is not None:
+                seq.stats.pipeline_hits += 1
+            else:
+                seq.stats.pipeline_misses += 1
+        t3 = time.perf_counter()
+        seq.record_step(len(proposal), result.num_accepted, proposal.num_forwards, t1 - t0, t2 - t1)
+        policy.observe(len(proposal), result.num_accepted)
+        self.costs.observe_target(len(inputs), t2 - t1)
+        self.costs.observe_overhead(t3 - t2)
+        if drafted and proposal.num_catchup_tokens <= 2:
+            self.costs.observe_draft(max(1, proposal.num_forwards), t1 - t0)
+        return chunk, next_pending, draft_ok
+
+    def _draft_failed(self, seq: GenSequence, error: Exception) -> bool:
+        seq.stats.draft_failures += 1
+        logger.warning("draft worker failed (%s); the request continues target-only", error.__class__.__name__)
+        return False
+
+    # ------------------------------------------------------------------------------ shards
+
+    @staticmethod
+    def _submit(group, method: str, *args) -> list:
+        """Submit one call to every shard before awaiting any, so all shards see calls in one order
+        (Ray runs an actor's calls from one caller in submission order)."""
+        return [getattr(s, method).remote(*args) for s in group.shards]
+
+    async def _forward(self, group, generation, request_id, token_ids, num_logits, expected_length, greedy):
+        refs = self._submit(group, "forward", request_id, token_ids, num_logits, expected_length, greedy)
+        return (await self._await_shards(refs, generation, "prefill"))[0]
+
+    async def _rewind(self, group, generation, request_id, length):
+        refs = self._submit(group, "rewind", request_id, length)
+        lengths = await self._await_shards(refs, generation, "rewind")
+        if any(n != length for n in lengths):
+            await self._rebuild(generation, f"cache lengths {lengths} after rewinding to {length}")
+            raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
+                                   f"length {length}; the shard group is being rebuilt")
+        return lengths
+
+    async def _await_shards(self, refs, generation, what):
+        try:
+            return await asyncio.gather(*refs)
+        except ray.exceptions.RayError as e:
+            await self._rebuild(generation, f"{what} failed: {e.__class__.__name__}")
+            raise TargetShardError(
+                f"a target shard failed during {what} ({e.__class__.__name__}: {_first_line(e)}); the request "
+                "was aborted and the shard group is being rebuilt for the next request"
+            ) from None
+
+    async def _rebuild(self, generation: int, reason: str) -> None:
+        """Replace the whole shard group (its process group cannot lose a member)."""
+        if generation != self._generation:
+            return  # another request already rebuilt it
+        self._generation += 1
+        self._group_ready.clear()
+        logger.warning("rebuilding the target shard group: %s", reason)
+        old = self.group
+        kill_target_group(old)
+        try:
+            self.group = await create_target_group(self.config)
+        finally:
+            self._group_ready.set()
+
+    async def _release(self, group, request_id: str) -> None:
+        refs = [s.release.remote(request_id) for s in group.shards]
+        if self.draft is not None:
+            refs.append(self.draft.release.remote(request_id))
+        for ref in refs:
+            try:
+                await asyncio.wait_for(ref, timeout=10)
+            except Exception:  # noqa: BLE001 - a dead actor holds no state to free
+                pass
+
+
+def _truncate(proposal: Proposal, k: int) -> Proposal:
+    if len(proposal) <= k:
+        return proposal
+    probs = proposal.probs[:k] if proposal.probs is not None else None
+    return Proposal(proposal.token_ids[:k], probs)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""

@@ -1,0 +1,136 @@
+"""One tensor-parallel shard of the target model, with the KV caches of its attention heads.
+
+All shards of a group receive the same calls in the same order (the coordinator submits each call
+to every shard before awaiting any) and run every forward together; transformers' built-in tensor
+parallelism (`tp_plan="auto"`, as in gpt-fast's `tp.py` the model file knows nothing about it)
+reduces through a torch.distributed process group among the shard actors: gloo on CPU, NCCL on GPU.
+Rank 0 returns the result; the others return None. tp_size 1 is a plain single-process target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.kv_cache import KVCache
+from specdec.model_runner import ModelRunner
+from specdec.models import load_model, select_device, set_threads
+
+logger = logging.getLogger(__name__)
+
+
+def check_tp_divides(model_config, tp_size: int) -> None:
+    """Tensor parallelism splits attention heads and MLP columns; refuse sizes that do not divide."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    sizes = {
+        "num_attention_heads": getattr(text, "num_attention_heads", None),
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
+        "intermediate_size": getattr(text, "intermediate_size", None),
+    }
+    bad = {k: v for k, v in sizes.items() if v is not None and v % tp_size}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the target's {detail}")
+
+
+class TargetShard:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, num_threads: int | None = None) -> None:
+        set_threads(num_threads or config.num_threads)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.runner: ModelRunner | None = None
+        self._caches: dict[str, KVCache] = {}
+
+    # ------------------------------------------------------------------------------- set-up
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for the process group's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray (tests of the plain class)
+            host = "127.0.0.1"
+        return host, port
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> dict:
+        """Join the process group (tp > 1) and load this rank's slice of the target."""
+        device = select_device(self.config.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                              MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+            from transformers import AutoConfig
+
+            from specdec.models import _materialize, resolve_spec
+
+            resolved = _materialize(resolve_spec(self.config.target))
+            kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
+            check_tp_divides(AutoConfig.from_pretrained(resolved.path, **kwargs), self.world_size)
+        loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
+                            tensor_parallel=self.world_size > 1)
+        self.runner = ModelRunner(loaded)
+        return self.describe()
+
+    def describe(self) -> dict:
+        loaded = self.runner.loaded
+        return {
+            "vocab_size": self.runner.vocab_size,
+            "max_context": self.runner.max_context,
+            "eos_token_ids": sorted(loaded.eos_token_ids),
+            "device": str(self.runner.device),
+            "dtype": str(loaded.dtype),
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    # ------------------------------------------------------------------------------ serving
+
+    def forward(self, request_id: str, token_ids: Sequence[int], num_logits: int, expected_length: int,
+                greedy: bool):
+        """Append `token_ids` to the request's cache; rank 0 returns `[num_logits]` argmax ids (greedy)
+        or `[num_logits, vocab]` float32 logits on the CPU; other ranks return None."""
+        cache = self._caches.get(request_id)
+        if cache is None:
+            cache = self._caches[request_id] = self.runner.new_cache()
+        if len(cache) != expected_length:
+            raise RuntimeError(f"shard {self.rank}: cache of request {request_id} holds {len(cache)} tokens, "
+                               f"the coordinator expects {expected_length}")
+        logits = self.runner.forward(cache, token_ids, num_logits)  # [num_logits, vocab]
+        if self.rank != 0:
+            return None
+        if greedy:
+            return logits.argmax(dim=-1).tolist()
+        return logits.cpu()
+
+    def rewind(self, request_id: str, length: int) -> int:
+        cache = self._caches.get(request_id)
+        if cache is None:
+            return 0
+        cache.rewind(length)
+        return len(cache)
+
+    def cache_length(self, request_id: str) -> int | None:
+        cache = self._caches.get(request_id)
+        return None if cache is None else len(cache)
+
+    def release(self, request_id: str) -> None:
+        cache = self._caches.pop(request_id, None)
+        if cache is not None:
+            cache.rewind(0)
+
+    def num_requests(self) -> int:
+        return len(self._caches)
