@@ -130,7 +130,8 @@ class RayEngine:
 
     def generate_stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                         sampling: SamplingParams | None = None, chat: bool = False,
-                        request_id: str | None = None) -> Iterator[StreamChunk]:
+                        request_id: str | None = None, num_speculative_tokens: int | str | None = None,
+                        pipeline: bool | None = None) -> Iterator[StreamChunk]:
         """Yield what each step commits; the last chunk carries the finish reason and the whole output.
 
         Contract: chunks arrive in commit order, each holding the token ids of one verification step
@@ -139,17 +140,21 @@ class RayEngine:
         cancels the request and frees its caches.
         """
         gen = self.coordinator.generate_stream.options(num_returns="streaming").remote(
-            prompt, list(prompt_token_ids) if prompt_token_ids is not None else None, sampling, chat, request_id)
+            prompt, list(prompt_token_ids) if prompt_token_ids is not None else None, sampling, chat, request_id,
+            num_speculative_tokens, pipeline)
         try:
             for ref in gen:
                 yield _get(ref)
         finally:
-            ray.cancel(gen) if not _exhausted(gen) else None
+            if not _exhausted(gen):
+                ray.cancel(gen)
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-                 sampling: SamplingParams | None = None, chat: bool = False) -> GenerationOutput:
+                 sampling: SamplingParams | None = None, chat: bool = False,
+                 num_speculative_tokens: int | str | None = None, pipeline: bool | None = None) -> GenerationOutput:
         last = None
-        for last in self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, sampling=sampling, chat=chat):
+        for last in self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, sampling=sampling, chat=chat,
+                                         num_speculative_tokens=num_speculative_tokens, pipeline=pipeline):
             pass
         return last.output
 

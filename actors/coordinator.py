@@ -30,12 +30,12 @@ import ray
 
 from actors.builder import create_draft_worker, create_target_group, kill_target_group
 from actors.config import RayEngineConfig
-from specdec.config import AUTO, SamplingParams
+from specdec.config import SamplingParams
 from specdec.models import check_same_vocabulary, load_tokenizer
 from specdec.prompt import resolve_prompt
 from specdec.proposers import Proposal
 from specdec.sequence import Sequence as GenSequence, StreamChunk
-from specdec.speculation_length import AutoK, CostModel, FixedK
+from specdec.speculation_length import CostModel, make_policy
 from specdec.verify import verify_greedy_ids, verify_sampled
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ class Coordinator:
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair, start the shard group and the draft worker."""
-        from specdec.cli import _quiet_libraries
+        from specdec.cli import quiet_libraries
 
-        _quiet_libraries()
+        quiet_libraries()
         engine = self.config.engine
         self.tokenizer = load_tokenizer(engine.target, engine.trust_remote_code)
         if engine.draft not in ("ngram", "none"):
@@ -94,15 +94,18 @@ class Coordinator:
 
     async def generate_stream(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                               sampling: SamplingParams | None = None, chat: bool = False,
-                              request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+                              request_id: str | None = None, num_speculative_tokens: int | str | None = None,
+                              pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
+        """`num_speculative_tokens` and `pipeline` override the engine's settings for this request."""
         sampling = sampling or SamplingParams()
+        policy = make_policy(self.config.engine, self.costs, num_speculative_tokens, has_draft=self.draft is not None)
+        pipeline = self.config.pipeline if pipeline is None else (pipeline and self.draft is not None)
         ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.info["vocab_size"],
                              self.info["max_context"], self.config.engine.target)
         await self._group_ready.wait()
         request_id = request_id or uuid.uuid4().hex
         group, generation = self.group, self._generation
         seq = GenSequence(ids, sampling, self.tokenizer, frozenset(self.info["eos_token_ids"]))
-        policy = self._policy()
         draft_ok = self.draft is not None
         try:
             if len(ids) > 1:
@@ -111,22 +114,14 @@ class Coordinator:
             pending: Proposal | None = None
             while not seq.finished:
                 chunk, pending, draft_ok = await self._step(request_id, seq, policy, group, generation, pending,
-                                                            draft_ok)
+                                                            draft_ok, pipeline)
                 if seq.finished:
                     chunk.output = seq.output()
                 yield chunk
         finally:
             await self._release(group, request_id)
 
-    def _policy(self):
-        engine = self.config.engine
-        if engine.draft == "none":
-            return FixedK(0)
-        if engine.num_speculative_tokens == AUTO:
-            return AutoK(self.costs, engine.k_max)
-        return FixedK(int(engine.num_speculative_tokens))
-
-    async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok):
+    async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok, pipeline):
         sampling = seq.sampling
         k = seq.clamp_k(policy.next_k(), self.info["max_context"]) if draft_ok else 0
         t0 = time.perf_counter()
@@ -145,7 +140,7 @@ class Coordinator:
         verify = self._submit(group, "forward", request_id, inputs, len(inputs), len(seq.token_ids) - 1,
                               sampling.greedy)
         predraft = None
-        if self.config.pipeline and draft_ok and len(proposal):
+        if pipeline and draft_ok and len(proposal):
             predraft = self.draft.propose.remote(request_id, seq.token_ids + proposal.token_ids, len(proposal) + 1,
                                                  sampling)
         target_out = (await self._await_shards(verify, generation, "verification"))[0]

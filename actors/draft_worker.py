@@ -8,12 +8,14 @@ call; `rewind` exists for eager cache trimming and for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 import torch
 
 from specdec.config import EngineConfig, SamplingParams
+from specdec.kernels import choose_draft_quantization, quantize_int8
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, select_device, set_threads
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
@@ -33,6 +35,9 @@ class DraftWorker:
             raise ValueError("draft 'none' needs no draft worker")
         else:
             loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code)
+            self.quantization = choose_draft_quantization(config.draft_quantization, loaded.model)
+            if self.quantization == "int8":
+                loaded = dataclasses.replace(loaded, model=quantize_int8(loaded.model))
             self.proposer = DraftModelProposer(ModelRunner(loaded, vocab_size=target_vocab_size))
             self.device = loaded.device
         self._requests: dict[str, tuple[object, torch.Generator]] = {}

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 
 from specdec.config import EngineConfig
+from specdec.kernels import apply_linear_kernel, choose_linear_kernel
 from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, select_device, set_threads
@@ -75,13 +76,17 @@ class TargetShard:
                                     timeout=timedelta(seconds=timeout_s))
             from transformers import AutoConfig
 
-            from specdec.models import _materialize, resolve_spec
+            from specdec.models import materialize, resolve_spec
 
-            resolved = _materialize(resolve_spec(self.config.target))
+            resolved = materialize(resolve_spec(self.config.target))
             kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
             check_tp_divides(AutoConfig.from_pretrained(resolved.path, **kwargs), self.world_size)
         loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
                             tensor_parallel=self.world_size > 1)
+        self.linear_kernel = choose_linear_kernel(self.config.linear_kernel, loaded.model,
+                                                  speculating=self.config.draft != "none",
+                                                  tensor_parallel=self.world_size > 1)
+        apply_linear_kernel(loaded.model, self.linear_kernel)
         self.runner = ModelRunner(loaded)
         return self.describe()
 
@@ -94,6 +99,7 @@ class TargetShard:
             "device": str(self.runner.device),
             "dtype": str(loaded.dtype),
             "rank": self.rank,
+            "linear_kernel": self.linear_kernel,
             "world_size": self.world_size,
         }
 

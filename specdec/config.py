@@ -81,6 +81,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     ngram_min: int = 1
     ngram_max: int = 4
+    # Kernels (see kernels.py): how the target's linear layers run, and whether the draft is quantized.
+    linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
+    draft_quantization: str = "auto"  # auto (int8 on CPU) | none | int8
     trust_remote_code: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -106,6 +109,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.num_threads!r}")
+        from specdec.kernels import DRAFT_QUANTIZATIONS, LINEAR_KERNELS
+
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {self.linear_kernel!r}")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}; "
+                             f"got {self.draft_quantization!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 

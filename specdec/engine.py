@@ -16,6 +16,7 @@ K = 0 (draft `none`, or k=auto falling back) is plain target decoding through th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,13 +24,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from specdec.config import AUTO, EngineConfig, SamplingParams
+from specdec.config import EngineConfig, SamplingParams
+from specdec.kernels import apply_linear_kernel, choose_draft_quantization, choose_linear_kernel, quantize_int8
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary, load_model, select_device, set_threads
 from specdec.prompt import resolve_prompt, tokenize_prompt
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
 from specdec.sequence import GenerationOutput, Sequence as GenSequence, StreamChunk
-from specdec.speculation_length import AutoK, CostModel, FixedK
+from specdec.speculation_length import CostModel, make_policy
 from specdec.verify import verify_proposal
 
 logger = logging.getLogger(__name__)
@@ -48,8 +50,12 @@ class SpeculativeEngine:
         self.config = config
         self.target_model = target
         self.tokenizer = target.tokenizer
+        self.linear_kernel = choose_linear_kernel(config.linear_kernel, target.model,
+                                                  speculating=config.draft != "none", tensor_parallel=False)
+        apply_linear_kernel(target.model, self.linear_kernel)
         self.target = ModelRunner(target)
         self.draft_model = draft
+        self.draft_quantization = "none"
         if config.draft == "none":
             self.proposer = None
         elif config.draft == "ngram":
@@ -58,6 +64,11 @@ class SpeculativeEngine:
             if draft is None:
                 raise ValueError(f"draft {config.draft!r} is a model but none was loaded")
             check_same_vocabulary(target.tokenizer, draft.tokenizer, target.spec, draft.spec)
+            self.draft_quantization = choose_draft_quantization(config.draft_quantization, draft.model)
+            if self.draft_quantization == "int8":
+                # A quantized copy: the loaded draft (possibly the target itself) stays as it was.
+                draft = dataclasses.replace(draft, model=quantize_int8(draft.model))
+                self.draft_model = draft
             self.proposer = DraftModelProposer(ModelRunner(draft, vocab_size=self.target.vocab_size))
         self.costs = CostModel()
         self._lock = threading.Lock()
@@ -101,10 +112,15 @@ class SpeculativeEngine:
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         chat: bool = False,
+        num_speculative_tokens: int | str | None = None,
     ) -> GenerationOutput:
-        """Generate a completion; returns text, token ids, finish reason, usage and speculation stats."""
+        """Generate a completion; returns text, token ids, finish reason, usage and speculation stats.
+
+        `num_speculative_tokens` overrides the engine's K (an int or "auto") for this request.
+        """
         last = None
-        for last in self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, sampling=sampling, chat=chat):
+        for last in self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, sampling=sampling, chat=chat,
+                                         num_speculative_tokens=num_speculative_tokens):
             pass
         assert last is not None and last.output is not None
         return last.output
@@ -116,28 +132,22 @@ class SpeculativeEngine:
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         chat: bool = False,
+        num_speculative_tokens: int | str | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield what each step commits; the last chunk carries the finish reason and the whole output."""
         sampling = sampling or SamplingParams()
+        policy = make_policy(self.config, self.costs, num_speculative_tokens, has_draft=self.proposer is not None)
         ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.target.vocab_size,
                              self.target.max_context, self.target_model.spec)
         with self._lock:
-            yield from self._run(ids, sampling)
+            yield from self._run(ids, sampling, policy)
 
-    def _policy(self, sampling: SamplingParams):
-        if self.proposer is None:
-            return FixedK(0)
-        if self.config.num_speculative_tokens == AUTO:
-            return AutoK(self.costs, self.config.k_max)
-        return FixedK(int(self.config.num_speculative_tokens))
-
-    def _run(self, prompt_token_ids: list[int], sampling: SamplingParams) -> Iterator[StreamChunk]:
+    def _run(self, prompt_token_ids: list[int], sampling: SamplingParams, policy) -> Iterator[StreamChunk]:
         draft_device = self.proposer.runner.device if isinstance(self.proposer, DraftModelProposer) else "cpu"
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, self.target_model.eos_token_ids,
                           self.target.device, draft_device)
         target_cache = self.target.new_cache()
         draft_state = self.proposer.new_state() if self.proposer else None
-        policy = self._policy(sampling)
         try:
             # Prefill all but the last prompt token: the first step feeds it with the first proposal,
             # so even the first generated token is speculated.

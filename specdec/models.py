@@ -59,7 +59,9 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """Size of the model's logits (may exceed the tokenizer's vocabulary: padded embeddings)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        out_features = getattr(head, "out_features", None)
+        return int(out_features if out_features is not None else head.weight.shape[0])
 
     @property
     def max_context(self) -> int:
@@ -170,7 +172,7 @@ def load_model(
     dev = device if isinstance(device, torch.device) else select_device(device)
     torch_dtype = select_dtype(dtype, dev)
     start = time.perf_counter()
-    resolved = _materialize(resolve_spec(spec))
+    resolved = materialize(resolve_spec(spec))
     tokenizer = _pretrained("AutoTokenizer", resolved, spec, trust_remote_code)
     extra: dict = {"dtype": torch_dtype}
     if tensor_parallel:
@@ -190,10 +192,10 @@ def load_model(
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
     """Only the tokenizer of a model spec (pulling a preset if needed)."""
-    return _pretrained("AutoTokenizer", _materialize(resolve_spec(spec)), spec, trust_remote_code)
+    return _pretrained("AutoTokenizer", materialize(resolve_spec(spec)), spec, trust_remote_code)
 
 
-def _materialize(resolved: ResolvedSpec) -> ResolvedSpec:
+def materialize(resolved: ResolvedSpec) -> ResolvedSpec:
     """Presets become their cached directory (pulled on first use)."""
     if resolved.kind != "preset":
         return resolved

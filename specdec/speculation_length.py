@@ -4,11 +4,11 @@
 a step with K proposals emits on average (1 - a^(K+1)) / (1 - a) tokens and costs
 K * draft_forward + target_forward(K+1 tokens) + step overhead. Every term is measured while the
 engine runs, not assumed:
-- `CostModel` (one per engine, shared by its requests) keeps running estimates of the target's
+- `CostModel` (one per engine, shared by its requests) keeps windowed estimates of the target's
   forward time for each number of input tokens it has seen (the verify-cost curve; interpolated
   linearly in between), of one draft forward, and of the per-step overhead;
-- `AutoK` (one per request) keeps a decayed estimate of a and picks the K in 0..k_max that
-  maximises expected tokens per second. K = 0 is plain target decoding: when speculation does not
+- `AutoK` (one per request) keeps decayed acceptance estimates per proposal position and picks
+  the K in 0..k_max that maximises expected tokens per second. K = 0 is plain target decoding: when speculation does not
   pay (a hopeless draft, or a draft nearly as slow as the target), the request falls back to it and
   only probes the draft now and then, with exponentially growing intervals.
 
@@ -18,7 +18,10 @@ with a fixed k (its distribution is exact either way; greedy output never depend
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+from specdec.config import AUTO, EngineConfig
 
 
 class FixedK:
@@ -34,25 +37,52 @@ class FixedK:
 
 @dataclass
 class CostModel:
-    """Running estimates (exponential moving averages, in seconds) of what a step costs."""
+    """Recent timings (seconds) of what a step costs, one window per kind of forward.
 
-    smoothing: float = 0.3
-    target_seconds: dict[int, float] = field(default_factory=dict)  # num input tokens -> one forward
-    draft_seconds: float | None = None  # one draft forward of a single token
+    Each estimate is the minimum of the last `window` observations, not a mean: on a shared machine
+    noise only ever adds time, and sizes are measured at different moments (K=0 steps time the
+    1-token forward, K>0 steps the (K+1)-token one), so a mean lets a burst of contention during one
+    kind of step tilt the comparison. The minimum over a short window tracks the quiet-machine cost
+    and still follows real drift (longer contexts) within `window` steps.
+    """
+
+    window: int = 8
+    samples: dict = field(default_factory=dict)  # num input tokens -> recent one-forward timings
+    draft_samples: deque = field(default_factory=deque)  # one draft forward of a single token
     overhead_seconds: float = 0.0  # per step, outside the forwards (sampling, verification, bookkeeping)
+    seen: set = field(default_factory=set)  # kinds whose first (warm-up) timing was dropped
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+    def _warm(self, key) -> bool:
+        """The first call at a new size builds kernels (oneDNN primitives, allocator pools): drop it."""
+        if key in self.seen:
+            return True
+        self.seen.add(key)
+        return False
+
+    def _push(self, window: deque, seconds: float) -> None:
+        window.append(seconds)
+        while len(window) > self.window:
+            window.popleft()
 
     def observe_target(self, num_tokens: int, seconds: float) -> None:
-        self.target_seconds[num_tokens] = self._ema(self.target_seconds.get(num_tokens), seconds)
+        if self._warm(("target", num_tokens)):
+            self._push(self.samples.setdefault(num_tokens, deque()), seconds)
 
     def observe_draft(self, num_forwards: int, seconds: float) -> None:
-        if num_forwards > 0:
-            self.draft_seconds = self._ema(self.draft_seconds, seconds / num_forwards)
+        if num_forwards > 0 and self._warm("draft"):
+            self._push(self.draft_samples, seconds / num_forwards)
 
     def observe_overhead(self, seconds: float) -> None:
-        self.overhead_seconds = self._ema(self.overhead_seconds, max(0.0, seconds))
+        self.overhead_seconds = 0.7 * self.overhead_seconds + 0.3 * max(0.0, seconds)
+
+    @property
+    def target_seconds(self) -> dict[int, float]:
+        """Estimated one-forward time per number of input tokens measured so far."""
+        return {n: min(window) for n, window in self.samples.items() if window}
+
+    @property
+    def draft_seconds(self) -> float | None:
+        return min(self.draft_samples) if self.draft_samples else None
 
     def target_cost(self, num_tokens: int) -> float | None:
         """Forward time for `num_tokens` input tokens, interpolated from the sizes seen so far."""
@@ -97,7 +127,13 @@ def theoretical_speedup(alpha: float, k: int, c: float) -> float:
 
 
 class AutoK:
-    """Per-request K policy over an engine-wide `CostModel`."""
+    """Per-request K policy over an engine-wide `CostModel`.
+
+    Acceptance is tracked per proposal position (decayed counts), because it falls with depth: the
+    expected tokens of a K-token proposal are 1 + sum_i prod_{j<=i} a_j with a_j the conditional
+    acceptance rate at position j (Leviathan's i.i.d. formula is the special case a_j = a). Positions
+    not yet explored borrow the rate of the one before.
+    """
 
     def __init__(
         self,
@@ -114,24 +150,45 @@ class AutoK:
         self.k_max = k_max
         self.k_initial = min(k_initial, k_max)
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
-        self.accepted = 0.0  # decayed counts
-        self.evaluated = 0.0
+        self.accepted = [0.0] * k_max  # decayed counts per position
+        self.reached = [0.0] * k_max
         self.probe_interval = self.min_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.steps_without_draft = 0
         self.last_k = self.k_initial
 
+    def position_rates(self) -> list[float]:
+        """Conditional acceptance rate at each position, given the ones before were accepted."""
+        rates, prior = [], self.prior_alpha
+        for accepted, reached in zip(self.accepted, self.reached):
+            rate = (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+            rates.append(rate)
+            prior = rate
+        return rates
+
     @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior_alpha * self.prior_weight) / (self.evaluated + self.prior_weight)
+        """Overall acceptance rate (accepted / judged positions)."""
+        return (sum(self.accepted) + self.prior_alpha * self.prior_weight) / (sum(self.reached) + self.prior_weight)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
             return
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.reached = [r * self.decay for r in self.reached]
         # Positions the target judged: the accepted ones plus the first rejected one, if any.
-        evaluated = num_accepted + (1 if num_accepted < num_proposed else 0)
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.evaluated = self.decay * self.evaluated + evaluated
+        judged = min(num_proposed, num_accepted + 1)
+        for j in range(min(judged, self.k_max)):
+            self.reached[j] += 1
+            if j < num_accepted:
+                self.accepted[j] += 1
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for rate in self.position_rates()[:k]:
+            survive *= rate
+            total += survive
+        return total
 
     def rate(self, k: int) -> float | None:
         """Expected tokens per second with K proposals, or None while a cost is unmeasured."""
@@ -139,13 +196,13 @@ class AutoK:
         if target is None or (k > 0 and self.costs.draft_seconds is None):
             return None
         seconds = target + k * (self.costs.draft_seconds or 0.0) + self.costs.overhead_seconds
-        return expected_tokens(self.alpha, k) / seconds if seconds > 0 else None
+        return self.expected_tokens(k) / seconds if seconds > 0 else None
 
     def best_k(self) -> int:
         rates = {k: self.rate(k) for k in range(self.k_max + 1)}
         if rates[0] is None:
             return 0  # measure plain decoding first: it is the baseline every K is weighed against
-        if any(r is None for k, r in rates.items() if k == self.k_initial):
+        if rates[self.k_initial] is None:
             return self.k_initial  # measure the draft
         known = {k: r for k, r in rates.items() if r is not None}
         return max(known, key=lambda k: (known[k], -k))
@@ -164,3 +221,15 @@ class AutoK:
                 k = min(2, self.k_max)
         self.last_k = k
         return k
+
+
+def make_policy(config: EngineConfig, costs: CostModel, override: int | str | None = None, has_draft: bool = True):
+    """The K policy of one request: the engine's setting, or a per-request override (int or "auto")."""
+    if not has_draft:
+        return FixedK(0)
+    k = config.num_speculative_tokens if override is None else override
+    if isinstance(k, str) and k.strip().lower() == AUTO:
+        return AutoK(costs, config.max_speculative_tokens if override is not None else config.k_max)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}")
+    return FixedK(k)

@@ -4,6 +4,8 @@ Counts follow vLLM's spec-decode metrics, so the same PromQL reads both:
 - num_drafts: verification steps that had at least one proposed token;
 - num_draft_tokens: proposed tokens; num_accepted_tokens: of those, accepted;
 - acceptance_rate = num_accepted_tokens / num_draft_tokens;
+- token_acceptance_rate: Leviathan's alpha (per-token, over the positions the target judged: a
+  proposal's tokens after its first rejection were never judged), the alpha of the speedup formula;
 - mean_accepted_length = 1 + num_accepted_tokens / num_drafts: tokens a draft step emits, counting
   its recovered or bonus token (vLLM's "mean acceptance length");
 - accepted_per_position[i]: steps whose proposal position i was accepted; proposed_per_position[i]:
@@ -22,6 +24,7 @@ class SpeculativeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_full_accepts: int = 0  # draft steps whose whole proposal was accepted (the bonus token was used)
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
     target_forwards: int = 0
@@ -40,6 +43,7 @@ class SpeculativeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
+        self.num_full_accepts += num_accepted == num_proposed
         grow = num_proposed - len(self.proposed_per_position)
         if grow > 0:
             self.proposed_per_position.extend([0] * grow)
@@ -54,12 +58,19 @@ class SpeculativeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def token_acceptance_rate(self) -> float:
+        """Leviathan's alpha: the per-token acceptance probability under the i.i.d. model, estimated
+        over the positions the target judged (accepted ones plus each step's first rejection)."""
+        judged = self.num_accepted_tokens + self.num_drafts - self.num_full_accepts
+        return self.num_accepted_tokens / judged if judged else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def merge(self, other: "SpeculativeStats") -> None:
         """Add another request's counts to these."""
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_full_accepts", "target_forwards",
                      "draft_forwards", "draft_seconds", "target_seconds", "pipeline_hits", "pipeline_misses",
                      "draft_failures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -75,6 +86,7 @@ class SpeculativeStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "token_acceptance_rate": round(self.token_acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "proposed_per_position": list(self.proposed_per_position),

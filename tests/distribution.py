@@ -18,7 +18,9 @@ PROMPT = [3, 1, 2, 3, 1, 2, 3, 1]  # repetitive, so the n-gram proposer has some
 def _next_token_probs(model, sequences: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    with torch.no_grad():
+    from specdec.kernels import stock_linears
+
+    with torch.no_grad(), stock_linears(model):
         scores = model(sequences).logits[:, -1].float()  # [num_sequences, vocab]
     for warper in (TemperatureLogitsWarper(params.temperature),
                    TopKLogitsWarper(params.top_k) if params.top_k else None,

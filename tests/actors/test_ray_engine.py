@@ -10,6 +10,7 @@ import torch
 
 from actors import RayEngineConfig, RolePlacement, build_ray_engine
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
+from specdec.kernels import stock_linears
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 20, 30, 10, 20, 30, 10, 20]]
 MAX_TOKENS = 40
@@ -25,7 +26,7 @@ def references(in_process):
     model = in_process.target_model.model
     refs = []
     for p in PROMPTS:
-        with torch.no_grad():
+        with torch.no_grad(), stock_linears(model):
             out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
         refs.append(out[0, len(p):].tolist())
     return refs

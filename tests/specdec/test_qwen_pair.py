@@ -8,6 +8,7 @@ import torch
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.config import EngineConfig
+from specdec.kernels import stock_linears
 from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def test_default_pair_is_lossless_and_accepts_most_tokens(engines):
     spec, plain = engines
     for prompt in PROMPTS:
         ids = spec.tokenize(prompt, chat=True)
-        with torch.no_grad():
+        with torch.no_grad(), stock_linears(spec.target_model.model):
             ref = spec.target_model.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
         reference = ref[0, len(ids):].tolist()
         fast = spec.generate(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=MAX_TOKENS))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
+from specdec.kernels import stock_linears
 
 PROMPT = "Write a Python function that checks whether a number is prime.\n\ndef is_prime(n):"
 MAX_TOKENS = 72
@@ -17,7 +18,7 @@ def engine(smollm2_gguf):
 @pytest.fixture(scope="module")
 def reference(engine):
     ids = engine.tokenize(PROMPT)
-    with torch.no_grad():
+    with torch.no_grad(), stock_linears(engine.target_model.model):
         out = engine.target_model.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(ids):].tolist()
 
@@ -32,7 +33,8 @@ def test_ngram_greedy_equals_hf_generate(engine, reference):
 def test_self_draft_accepts_everything(engine, reference, smollm2_gguf):
     from specdec.config import EngineConfig
 
-    config = EngineConfig(target=str(smollm2_gguf), draft=str(smollm2_gguf), num_speculative_tokens=4)
+    config = EngineConfig(target=str(smollm2_gguf), draft=str(smollm2_gguf), num_speculative_tokens=4,
+                          draft_quantization="none")
     self_engine = SpeculativeEngine(config, engine.target_model, engine.target_model)  # one model, two roles
     out = self_engine.generate(PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))
     assert out.token_ids == reference

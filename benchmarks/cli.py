@@ -1,0 +1,71 @@
+"""`specdec bench`: registered into the core CLI through the `specdec.cli` entry point group."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    return values
+
+
+def register(subparsers, generate_parser) -> None:
+    from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p = subparsers.add_parser(
+        "bench", help="measure speedups side by side with Hugging Face generate()",
+        description="Benchmark specdec against Hugging Face generate(), assisted generation and prompt lookup, "
+                    "in one run on the same prompts (HumanEval by default), interleaved prompt by prompt. "
+                    "Writes bench.json, bench.md and PNG plots.")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model [default: {DEFAULT_TARGET}]")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model [default: {DEFAULT_DRAFT}]")
+    p.add_argument("--limit", type=int, default=20, help="first N prompts [default: 20]")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help='JSONL of prompts (strings or {"prompt": ...}) instead of HumanEval')
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt [default: 128]")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: 0]")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the prompt's index)")
+    p.add_argument("--k-sweep", type=_int_list, default=(1, 2, 4, 6, 8), metavar="K,K,...",
+                   help="fixed K values to run [default: 1,2,4,6,8]")
+    p.add_argument("--max-k", type=int, default=8, help="largest K for auto [default: 8]")
+    p.add_argument("--ray-tp", type=_int_list, default=(1, 2), metavar="N,N,...",
+                   help="tensor parallel sizes for the Ray engine [default: 1,2]")
+    p.add_argument("--no-ray", action="store_true", help="skip the Ray engine")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (baseline: specdec-none)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", default=None, help="output directory [default: bench-results/<time>]")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks import prompts as prompt_sources
+    from benchmarks.runner import BenchConfig, run
+    from specdec.config import SamplingParams
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    if args.prompts:
+        prompts, source = prompt_sources.from_jsonl(args.prompts, args.limit), args.prompts
+    else:
+        prompts, source = prompt_sources.humaneval(args.limit), "HumanEval"
+    out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
+                         sampling=sampling, k_sweep=args.k_sweep, max_k=args.max_k, hf=not args.no_hf,
+                         ray_tps=() if args.no_ray else args.ray_tp, threads=args.threads, chat=args.chat,
+                         out_dir=out)
+    rows, paths = run(config)
+    print(paths["markdown"].read_text())
+    print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0

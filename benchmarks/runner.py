@@ -1,0 +1,195 @@
+"""Running a benchmark: every method on the same prompts, interleaved prompt by prompt so machine
+drift hits every method alike.
+
+Phase 1, in one process: Hugging Face target-only `generate()` (the baseline), HF assisted
+generation with the same draft, HF prompt lookup, and specdec's in-process engine (target-only,
+a K sweep, auto K, n-gram). All share one copy of the target's weights: HF methods run on the
+stock kernels, specdec on its prepacked ones.
+
+Phase 2 (Ray), per tensor-parallel size: the Ray engine with pipelining on and off, paired prompt
+by prompt with the in-process engine at the same settings, so the Ray path's overhead is measured
+on one machine state. To fit both in memory, the in-process target then drops its MKL copy of
+the weights (oneDNN only) and the Ray shards use the same kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.methods import HFGenerate, Run, Specdec
+from benchmarks.prompts import Prompt
+from benchmarks import report
+from specdec import EngineConfig, SamplingParams, SpeculativeEngine
+from specdec.kernels import PackedLinear
+from specdec.models import load_model, set_threads
+from specdec.prompt import check_prompt, tokenize_prompt
+
+logger = logging.getLogger(__name__)
+
+BASELINE = "hf"
+REFERENCE = "specdec-none"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: tuple[Prompt, ...]
+    prompts_source: str
+    sampling: SamplingParams = SamplingParams(max_tokens=128)
+    k_sweep: tuple[int, ...] = (1, 2, 4, 6, 8)
+    max_k: int = 8
+    hf: bool = True
+    ngram: bool = True
+    ray_tps: tuple[int, ...] = (1, 2)
+    threads: int | None = None
+    chat: bool = False
+    out_dir: Path = Path("bench-results")
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("no prompts to benchmark")
+        if any(k < 1 for k in self.k_sweep):
+            raise ValueError(f"every K of the sweep must be >= 1, got {self.k_sweep}")
+        if any(tp < 1 for tp in self.ray_tps):
+            raise ValueError(f"every tensor parallel size must be >= 1, got {self.ray_tps}")
+        if self.draft in ("none", "ngram"):
+            raise ValueError("the benchmark needs a draft model (n-gram lookup is always included)")
+
+
+@dataclass
+class Results:
+    runs: dict[str, list[Run | None]] = field(default_factory=dict)
+    ks: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
+    paired: dict[str, str] = field(default_factory=dict)  # ray method -> its in-process pair
+
+    def add(self, method, index: int, run: Run, num_prompts: int) -> None:
+        self.runs.setdefault(method.name, [None] * num_prompts)[index] = run
+        self.ks[method.name] = method.k
+        self.groups[method.name] = method.group
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+
+def _interleave(methods, prompt_ids, sampling, results: Results, desc: str) -> None:
+    n = len(prompt_ids)
+    with _progress(n * len(methods), desc) as bar:
+        for i, ids in enumerate(prompt_ids):
+            # Rotate the order each prompt so no method always runs first (cold caches) or last.
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for method in order:
+                bar.set_postfix_str(method.name)
+                sampled = sampling.replace(seed=sampling.seed if sampling.seed is not None else i)
+                results.add(method, i, method.run(ids, sampled), n)
+                bar.update()
+
+
+def _warm(methods, ids) -> None:
+    for method in methods:
+        method.run(ids[:16], SamplingParams(max_tokens=4))
+
+
+def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
+    set_threads(config.threads)
+    started = time.time()
+    target = load_model(config.target)
+    draft = load_model(config.draft)
+    sampling = config.sampling
+    prompt_ids = [check_prompt(tokenize_prompt(target.tokenizer, p.text, config.chat), sampling, target.vocab_size,
+                               target.max_context) for p in config.prompts]
+    engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
+                                 max_speculative_tokens=config.max_k, num_threads=config.threads)
+    spec = SpeculativeEngine(engine_config, target, draft)
+    plain = SpeculativeEngine(EngineConfig(target=config.target, draft="none"), target)
+    eos = target.eos_token_ids
+    methods = []
+    if config.hf:
+        methods += [HFGenerate(BASELINE, target.model, eos),
+                    HFGenerate("hf-assisted", target.model, eos, assistant_model=draft.model),
+                    HFGenerate("hf-prompt-lookup", target.model, eos, prompt_lookup_num_tokens=10)]
+    methods.append(Specdec(REFERENCE, plain, None))
+    methods += [Specdec(f"specdec-k{k}", spec, k) for k in config.k_sweep]
+    methods.append(Specdec("specdec-auto", spec, "auto"))
+    if config.ngram:
+        ngram = SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"), target)
+        methods.append(Specdec("specdec-ngram", ngram, "auto"))
+    baseline = BASELINE if config.hf else REFERENCE
+    results = Results()
+    if config.warmup:
+        _warm(methods, prompt_ids[0])
+    _interleave(methods, prompt_ids, sampling, results, "bench")
+
+    if config.ray_tps:
+        del methods, plain
+        draft = None
+        gc.collect()
+        _drop_mkl_weights(target.model)  # room for the Ray actors' copy of the target
+        for tp in config.ray_tps:
+            _ray_phase(config, tp, spec, prompt_ids, sampling, results)
+
+    rows = report.summarize(results.runs, baseline, REFERENCE, results.ks, results.groups, sampling.greedy)
+    for row in rows:
+        pair = results.paired.get(row["method"])
+        if pair:
+            mine, theirs = results.runs[row["method"]], results.runs[pair]
+            ratios = [a.tokens_per_second / b.tokens_per_second for a, b in zip(mine, theirs) if a and b]
+            row["vs_in_process"] = sorted(ratios)[len(ratios) // 2] if ratios else None
+    meta = {
+        "target": config.target, "draft": config.draft, "prompts": config.prompts_source,
+        "num_prompts": len(config.prompts), "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "top_k": sampling.top_k, "chat": config.chat, "baseline": baseline,
+        "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
+        "draft_quantization": spec.draft_quantization, "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - started, 1),
+        "command": " ".join(sys.argv),
+    }
+    per_prompt = {name: [None if r is None else {"tokens": len(r.token_ids), "seconds": round(r.seconds, 4),
+                                                 "tokens_per_second": round(r.tokens_per_second, 3)}
+                         for r in method_runs] for name, method_runs in results.runs.items()}
+    return rows, report.write(config.out_dir, rows, meta, per_prompt)
+
+
+def _drop_mkl_weights(model) -> None:
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.weight = None
+    gc.collect()
+
+
+def _ray_phase(config: BenchConfig, tp: int, spec, prompt_ids, sampling, results: Results) -> None:
+    from actors import RayEngineConfig, RolePlacement, build_ray_engine
+
+    threads = config.threads or torch.get_num_threads()
+    engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
+                                 max_speculative_tokens=config.max_k, linear_kernel="onednn" if tp == 1 else "auto")
+    ray_engine = build_ray_engine(RayEngineConfig(
+        engine=engine_config, tp_size=tp,
+        draft=RolePlacement(num_cpus=0.5, num_threads=threads),
+        target=RolePlacement(num_cpus=0.5, num_threads=max(1, threads // tp))))
+    try:
+        pair = Specdec(f"specdec-auto (pair of tp{tp})", spec, "auto")
+        methods = [pair,
+                   Specdec(f"ray-tp{tp}", ray_engine, "auto", group="ray", pipeline=False),
+                   Specdec(f"ray-tp{tp}-pipeline", ray_engine, "auto", group="ray", pipeline=True)]
+        if config.warmup:
+            _warm(methods, prompt_ids[0])
+        _interleave(methods, prompt_ids, sampling, results, f"bench ray tp={tp}")
+        for m in methods[1:]:
+            results.paired[m.name] = pair.name
+    finally:
+        ray_engine.shutdown()

@@ -1,0 +1,47 @@
+"""`specdec bench` end to end on tiny models: every output is written and holds sane values."""
+
+import json
+
+from specdec.cli import main
+
+
+def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"w5 w6 w7 w8 w9 w10"\n{"id": "second", "prompt": "w3 w1 w2 w3 w1 w2 w3"}\n')
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
+                 "--limit", "2", "--max-tokens", "16", "--k-sweep", "1,3", "--max-k", "4", "--ray-tp", "1",
+                 "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in data["summary"]}
+    expected = {"hf", "hf-assisted", "hf-prompt-lookup", "specdec-none", "specdec-k1", "specdec-k3", "specdec-auto",
+                "specdec-ngram", "ray-tp1", "ray-tp1-pipeline"}
+    assert expected <= set(rows)
+    assert rows["hf"]["speedup"] == 1.0
+    for name, row in rows.items():
+        assert row["prompts"] == 2 and row["tokens"] > 0 and row["tokens_per_second"] > 0, name
+        assert row["identical_to_baseline"] == 2, name  # greedy: every method's tokens equal the baseline's
+    for name in ("specdec-k1", "specdec-k3", "specdec-auto", "ray-tp1", "ray-tp1-pipeline"):
+        row = rows[name]
+        assert 0 <= row["acceptance_rate"] <= 1
+        assert row["mean_accepted_length"] >= 1
+        assert 0 < row["target_forwards_per_token"] <= 1
+        assert row["cost_ratio_c"] > 0 and row["theoretical_speedup"] > 0 and row["efficiency"] > 0
+    assert rows["specdec-k3"]["mean_k"] <= 3 and len(rows["specdec-k3"]["acceptance_by_position"]) == 3
+    assert rows["ray-tp1"]["vs_in_process"] > 0
+    markdown = (out / "bench.md").read_text()
+    assert "| specdec-k3 |" in markdown and "speedup" in markdown
+    for png in ("speedup.png", "acceptance_by_position.png", "speedup_vs_k.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "specdec bench" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_input(tmp_path, capsys):
+    assert main(["bench", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert main(["bench", "--prompts", str(bad)]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["bench", "--limit", "0"]) == 2
