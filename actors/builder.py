@@ -7,8 +7,9 @@
     engine.shutdown()
 
 Target shards go into one STRICT_PACK placement group (tensor parallelism needs a fast
-interconnect); the draft worker is placed by its own resources, so on a cluster it can sit on a
-different kind of node.
+interconnect); a separate draft worker is placed by its own resources, so on a cluster it can sit
+on a different kind of node; a colocated draft lives in the rank-0 shard's process (its CPUs are
+added to that shard's bundle).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
     from actors.target_shard import TargetShard
 
     bundle = config.target.bundle()
-    pg = placement_group([bundle] * config.tp_size, strategy="STRICT_PACK")
+    bundles = [dict(bundle) for _ in range(config.tp_size)]
+    if config.colocated:  # rank 0 also runs the draft
+        bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft.num_cpus
+    pg = placement_group(bundles, strategy="STRICT_PACK")
     try:
         await asyncio.wait_for(pg.ready(), timeout=config.placement_timeout_s)
     except asyncio.TimeoutError:
@@ -94,9 +98,11 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
         options = _role_options(config.target)
         options.pop("resources", None)  # already reserved by the bundle
         options.pop("accelerator_type", None)
+        options["num_cpus"] = bundles[rank].get("CPU", 0.0)
+        host_draft = config.colocated and rank == 0
         shards.append(ray.remote(TargetShard)
                       .options(scheduling_strategy=strategy, max_restarts=0, max_task_retries=0, **options)
-                      .remote(config.engine, rank, config.tp_size, config.target.num_threads))
+                      .remote(config.engine, rank, config.tp_size, config.target.num_threads, host_draft))
     try:
         host, port = await shards[0].address.remote()
         infos = await asyncio.gather(*[s.setup.remote(host, port, config.process_group_timeout_s) for s in shards])

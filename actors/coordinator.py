@@ -1,6 +1,7 @@
 """The coordinator: runs the speculative loop of many requests at once over remote actors.
 
-Per step of a request: ask the draft worker for K proposals, send [last token, proposals] to every
+Per step of a request: ask the draft (its own worker actor, or the rank-0 shard that hosts it when
+colocated) for K proposals, send [last token, proposals] to every
 target shard for one verify forward, run acceptance (the core's `verify.py`), commit through the
 core's `Sequence`, then rewind every shard's cache to the committed length and check that all
 shards agree. Only orchestration lives here; the algorithm is the core's.
@@ -13,8 +14,8 @@ committed prefix on its next call). Output is identical either way under greedy 
 same distribution under sampling. Requests are async tasks of one actor, so the draft works on one
 request while the shards verify another.
 
-Failures: a dead draft makes its requests finish target-only (K=0) and is restarted by Ray for
-later ones; a failed shard fails the requests in flight with a clear error and the whole shard
+Failures: a dead (separate) draft makes its requests finish target-only (K=0) and is restarted by
+Ray for later ones; a colocated draft that raises does the same, and dies only with its shard; a failed shard fails the requests in flight with a clear error and the whole shard
 group (and its process group) is rebuilt for the next request.
 """
 
@@ -49,7 +50,7 @@ class Coordinator:
     def __init__(self, config: RayEngineConfig) -> None:
         self.config = config
         self.tokenizer = None
-        self.draft = None
+        self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
         self.group = None  # actors.builder.TargetGroup
         self.info: dict = {}
         self.costs = CostModel()
@@ -70,10 +71,20 @@ class Coordinator:
         self.group = await create_target_group(self.config)
         self.info = self.group.info
         self._group_ready.set()
-        if engine.draft != "none":
+        if engine.draft != "none" and not self.config.colocated:
             self.draft = create_draft_worker(self.config, self.info["vocab_size"])
             await self.draft.ready.remote()
+        self.info = {**self.info, "draft_placement": self.config.draft_placement if engine.draft != "none" else None,
+                     "pipeline": self.config.pipeline}
         return self.info
+
+    @property
+    def has_draft(self) -> bool:
+        return self.config.colocated or self.draft is not None
+
+    def _drafter(self, group):
+        """The actor that proposes for requests on `group`: the draft worker, or shard 0 (colocated)."""
+        return group.shards[0] if self.config.colocated else self.draft
 
     def shutdown(self) -> None:
         kill_target_group(self.group)
@@ -85,7 +96,9 @@ class Coordinator:
     # --------------------------------------------------------------------------- inspection
 
     def handles(self) -> dict:
-        return {"draft": self.draft, "shards": list(self.group.shards) if self.group else []}
+        shards = list(self.group.shards) if self.group else []
+        draft = shards[0] if self.config.colocated and shards else self.draft
+        return {"draft": draft, "shards": shards}
 
     async def cache_lengths(self, request_id: str) -> list:
         return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
@@ -98,7 +111,8 @@ class Coordinator:
                               pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
         """`num_speculative_tokens` and `pipeline` override the engine's settings for this request."""
         sampling = sampling or SamplingParams()
-        policy = make_policy(self.config.engine, self.costs, num_speculative_tokens, has_draft=self.draft is not None)
+        policy = make_policy(self.config.engine, self.costs, num_speculative_tokens, has_draft=self.has_draft)
+        # Pipelining needs a draft in a process of its own; a colocated draft ignores the request.
         pipeline = self.config.pipeline if pipeline is None else (pipeline and self.draft is not None)
         ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.info["vocab_size"],
                              self.info["max_context"], self.config.engine.target)
@@ -106,7 +120,7 @@ class Coordinator:
         request_id = request_id or uuid.uuid4().hex
         group, generation = self.group, self._generation
         seq = GenSequence(ids, sampling, self.tokenizer, frozenset(self.info["eos_token_ids"]))
-        draft_ok = self.draft is not None
+        draft_ok = self.has_draft
         try:
             if len(ids) > 1:
                 await self._forward(group, generation, request_id, ids[:-1], 1, 0, greedy=True)
@@ -126,12 +140,13 @@ class Coordinator:
         k = seq.clamp_k(policy.next_k(), self.info["max_context"]) if draft_ok else 0
         t0 = time.perf_counter()
         proposal, drafted = Proposal([]), False
+        drafter = self._drafter(group) if draft_ok else None
         if k > 0:
             if pending is not None and len(pending):
                 proposal = _truncate(pending, k)
             else:
                 try:
-                    proposal = await self.draft.propose.remote(request_id, seq.token_ids, k, sampling)
+                    proposal = await drafter.propose.remote(request_id, seq.token_ids, k, sampling)
                     drafted = True
                 except ray.exceptions.RayError as e:
                     draft_ok = self._draft_failed(seq, e)
@@ -141,7 +156,7 @@ class Coordinator:
                               sampling.greedy)
         predraft = None
         if pipeline and draft_ok and len(proposal):
-            predraft = self.draft.propose.remote(request_id, seq.token_ids + proposal.token_ids, len(proposal) + 1,
+            predraft = drafter.propose.remote(request_id, seq.token_ids + proposal.token_ids, len(proposal) + 1,
                                                  sampling)
         target_out = (await self._await_shards(verify, generation, "verification"))[0]
         t2 = time.perf_counter()
@@ -177,7 +192,10 @@ class Coordinator:
         self.costs.observe_target(len(inputs), t2 - t1)
         self.costs.observe_overhead(t3 - t2)
         if drafted and proposal.num_catchup_tokens <= 2:
-            self.costs.observe_draft(max(1, proposal.num_forwards), t1 - t0)
+            # Drafting time is paid per proposed token, the call's round trip once per drafting step.
+            drafting = proposal.seconds if proposal.seconds is not None else t1 - t0
+            self.costs.observe_draft(max(1, proposal.num_forwards), drafting)
+            self.costs.observe_draft_call(max(0.0, (t1 - t0) - drafting))
         return chunk, next_pending, draft_ok
 
     def _draft_failed(self, seq: GenSequence, error: Exception) -> bool:

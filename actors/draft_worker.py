@@ -1,6 +1,7 @@
 """The draft worker: a proposer (draft model or n-gram lookup) with one state per request.
 
-A plain class; `actors/builder.py`/the coordinator make it a Ray actor. It reuses the core's
+A plain class; `actors/builder.py`/the coordinator make it a Ray actor, or the rank-0 target shard
+hosts one in its own process (colocated placement). It reuses the core's
 proposers unchanged: each `propose` rewinds the request's draft cache to the prefix it shares with
 the context it is given, so a rejection, or a pre-drafted block that was not used, needs no extra
 call; `rewind` exists for eager cache trimming and for tests.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -52,10 +54,14 @@ class DraftWorker:
 
     def propose(self, request_id: str, context_token_ids: Sequence[int], num_tokens: int,
                 sampling: SamplingParams) -> Proposal:
+        """The proposal carries the seconds it took here, so the caller can tell drafting time from
+        the call's round trip (auto-K weighs them differently: one is paid per token, one per step)."""
+        start = time.perf_counter()
         state, generator = self._request(request_id, sampling.seed)
         proposal = self.proposer.propose(state, context_token_ids, num_tokens, sampling, generator)
         if proposal.probs is not None:
             proposal.probs = proposal.probs.cpu()
+        proposal.seconds = time.perf_counter() - start
         return proposal
 
     def rewind(self, request_id: str, context_token_ids: Sequence[int]) -> int:

@@ -5,6 +5,7 @@ to every shard before awaiting any) and run every forward together; transformers
 parallelism (`tp_plan="auto"`, as in gpt-fast's `tp.py` the model file knows nothing about it)
 reduces through a torch.distributed process group among the shard actors: gloo on CPU, NCCL on GPU.
 Rank 0 returns the result; the others return None. tp_size 1 is a plain single-process target.
+With the colocated draft placement, rank 0 also hosts the draft worker (`propose`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ def check_tp_divides(model_config, tp_size: int) -> None:
 
 
 class TargetShard:
-    def __init__(self, config: EngineConfig, rank: int, world_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, num_threads: int | None = None,
+                 host_draft: bool = False) -> None:
         set_threads(num_threads or config.num_threads)
         self.config = config
         self.rank, self.world_size = rank, world_size
+        self.host_draft = host_draft
+        self.draft = None  # actors.draft_worker.DraftWorker, when the draft is colocated here
         self.runner: ModelRunner | None = None
         self._caches: dict[str, KVCache] = {}
 
@@ -88,6 +92,11 @@ class TargetShard:
                                                   tensor_parallel=self.world_size > 1)
         apply_linear_kernel(loaded.model, self.linear_kernel)
         self.runner = ModelRunner(loaded)
+        if self.host_draft:
+            from actors.draft_worker import DraftWorker
+
+            # Same process, same thread pool: the draft and the target never run at once here.
+            self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads())
         return self.describe()
 
     def describe(self) -> dict:
@@ -101,6 +110,7 @@ class TargetShard:
             "rank": self.rank,
             "linear_kernel": self.linear_kernel,
             "world_size": self.world_size,
+            "draft": self.draft.ready() if self.draft is not None else None,
         }
 
     # ------------------------------------------------------------------------------ serving
@@ -137,6 +147,20 @@ class TargetShard:
         cache = self._caches.pop(request_id, None)
         if cache is not None:
             cache.rewind(0)
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+    # ------------------------------------------------------------------- colocated draft
+
+    def propose(self, request_id: str, context_token_ids: Sequence[int], num_tokens: int, sampling):
+        """The colocated draft's proposal (same contract as `DraftWorker.propose`)."""
+        if self.draft is None:
+            raise RuntimeError(f"shard {self.rank} hosts no draft")
+        return self.draft.propose(request_id, context_token_ids, num_tokens, sampling)
+
+    def ready(self) -> str:
+        return self.draft.ready() if self.draft is not None else "target"
 
     def num_requests(self) -> int:
-        return len(self._caches)
+        """Requests holding state here: KV caches, and draft states when the draft is colocated."""
+        return len(self._caches) + (self.draft.num_requests() if self.draft is not None else 0)

@@ -16,6 +16,10 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def register(subparsers, generate_parser) -> None:
     from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -36,11 +40,15 @@ def register(subparsers, generate_parser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the prompt's index)")
     p.add_argument("--k-sweep", type=_int_list, default=(1, 2, 4, 6, 8), metavar="K,K,...",
-                   help="fixed K values to run [default: 1,2,4,6,8]")
+                   help="fixed K values to run; '' for none [default: 1,2,4,6,8]")
     p.add_argument("--max-k", type=int, default=8, help="largest K for auto [default: 8]")
     p.add_argument("--ray-tp", type=_int_list, default=(1, 2), metavar="N,N,...",
                    help="tensor parallel sizes for the Ray engine [default: 1,2]")
+    p.add_argument("--ray-placement", type=_name_list, default=("colocated", "separate"), metavar="P,P,...",
+                   help="draft placements for the Ray engine: colocated (in the rank-0 target shard) and/or "
+                        "separate (its own actor, pipelining off and on) [default: colocated,separate]")
     p.add_argument("--no-ray", action="store_true", help="skip the Ray engine")
+    p.add_argument("--no-ngram", action="store_true", help="skip specdec's n-gram (prompt lookup) method")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (baseline: specdec-none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default=None, help="output directory [default: bench-results/<time>]")
@@ -54,6 +62,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    bad = [p for p in args.ray_placement if p not in ("colocated", "separate")]
+    if bad or not args.ray_placement:
+        raise ValueError(f"--ray-placement: draft placements are colocated and/or separate, got {','.join(bad)!r}")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed)
     if args.prompts:
@@ -63,7 +74,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
     config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
                          sampling=sampling, k_sweep=args.k_sweep, max_k=args.max_k, hf=not args.no_hf,
-                         ray_tps=() if args.no_ray else args.ray_tp, threads=args.threads, chat=args.chat,
+                         ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
+                         ngram=not args.no_ngram, threads=args.threads, chat=args.chat,
                          out_dir=out)
     rows, paths = run(config)
     print(paths["markdown"].read_text())

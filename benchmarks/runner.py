@@ -6,8 +6,9 @@ generation with the same draft, HF prompt lookup, and specdec's in-process engin
 a K sweep, auto K, n-gram). All share one copy of the target's weights: HF methods run on the
 stock kernels, specdec on its prepacked ones.
 
-Phase 2 (Ray), per tensor-parallel size: the Ray engine with pipelining on and off, paired prompt
-by prompt with the in-process engine at the same settings, so the Ray path's overhead is measured
+Phase 2 (Ray), per tensor-parallel size and draft placement: the Ray engine with the draft
+colocated in the rank-0 shard, and with the draft in its own actor (pipelining off and on), each
+paired prompt by prompt with the in-process engine at the same settings, so the Ray path's overhead is measured
 on one machine state. To fit both in memory, the in-process target then drops its MKL copy of
 the weights (oneDNN only) and the Ray shards use the same kernel.
 """
@@ -51,6 +52,7 @@ class BenchConfig:
     hf: bool = True
     ngram: bool = True
     ray_tps: tuple[int, ...] = (1, 2)
+    ray_placements: tuple[str, ...] = ("colocated", "separate")
     threads: int | None = None
     chat: bool = False
     out_dir: Path = Path("bench-results")
@@ -63,6 +65,9 @@ class BenchConfig:
             raise ValueError(f"every K of the sweep must be >= 1, got {self.k_sweep}")
         if any(tp < 1 for tp in self.ray_tps):
             raise ValueError(f"every tensor parallel size must be >= 1, got {self.ray_tps}")
+        bad = [p for p in self.ray_placements if p not in ("colocated", "separate")]
+        if bad or (self.ray_tps and not self.ray_placements):
+            raise ValueError(f"draft placements must be colocated and/or separate, got {','.join(self.ray_placements)!r}")
         if self.draft in ("none", "ngram"):
             raise ValueError("the benchmark needs a draft model (n-gram lookup is always included)")
 
@@ -140,7 +145,8 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
         gc.collect()
         _drop_mkl_weights(target.model)  # room for the Ray actors' copy of the target
         for tp in config.ray_tps:
-            _ray_phase(config, tp, spec, prompt_ids, sampling, results)
+            for placement in config.ray_placements:
+                _ray_phase(config, tp, placement, spec, prompt_ids, sampling, results)
 
     rows = report.summarize(results.runs, baseline, REFERENCE, results.ks, results.groups, sampling.greedy)
     for row in rows:
@@ -171,24 +177,25 @@ def _drop_mkl_weights(model) -> None:
     gc.collect()
 
 
-def _ray_phase(config: BenchConfig, tp: int, spec, prompt_ids, sampling, results: Results) -> None:
+def _ray_phase(config: BenchConfig, tp: int, placement: str, spec, prompt_ids, sampling, results: Results) -> None:
     from actors import RayEngineConfig, RolePlacement, build_ray_engine
 
     threads = config.threads or torch.get_num_threads()
     engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
                                  max_speculative_tokens=config.max_k, linear_kernel="onednn" if tp == 1 else "auto")
     ray_engine = build_ray_engine(RayEngineConfig(
-        engine=engine_config, tp_size=tp,
+        engine=engine_config, tp_size=tp, draft_placement=placement,
         draft=RolePlacement(num_cpus=0.5, num_threads=threads),
         target=RolePlacement(num_cpus=0.5, num_threads=max(1, threads // tp))))
     try:
-        pair = Specdec(f"specdec-auto (pair of tp{tp})", spec, "auto")
-        methods = [pair,
-                   Specdec(f"ray-tp{tp}", ray_engine, "auto", group="ray", pipeline=False),
-                   Specdec(f"ray-tp{tp}-pipeline", ray_engine, "auto", group="ray", pipeline=True)]
+        name = f"ray-tp{tp}-{placement}"
+        pair = Specdec(f"specdec-auto (pair of {name})", spec, "auto")
+        methods = [pair, Specdec(name, ray_engine, "auto", group="ray", pipeline=False)]
+        if placement == "separate":
+            methods.append(Specdec(f"{name}-pipeline", ray_engine, "auto", group="ray", pipeline=True))
         if config.warmup:
             _warm(methods, prompt_ids[0])
-        _interleave(methods, prompt_ids, sampling, results, f"bench ray tp={tp}")
+        _interleave(methods, prompt_ids, sampling, results, f"bench {name}")
         for m in methods[1:]:
             results.paired[m.name] = pair.name
     finally:

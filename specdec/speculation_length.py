@@ -2,11 +2,12 @@
 
 `auto` follows Leviathan et al. (arXiv 2211.17192, section 3.5): with per-token acceptance rate a,
 a step with K proposals emits on average (1 - a^(K+1)) / (1 - a) tokens and costs
-K * draft_forward + target_forward(K+1 tokens) + step overhead. Every term is measured while the
+K * draft_forward + draft_call (K > 0) + target_forward(K+1 tokens) + step overhead. Every term is measured while the
 engine runs, not assumed:
 - `CostModel` (one per engine, shared by its requests) keeps windowed estimates of the target's
   forward time for each number of input tokens it has seen (the verify-cost curve; interpolated
-  linearly in between), of one draft forward, and of the per-step overhead;
+  linearly in between), of one draft forward, of the fixed cost of asking the draft at all (a Ray
+  round trip when it runs in another actor; ~0 in-process), and of the per-step overhead;
 - `AutoK` (one per request) keeps decayed acceptance estimates per proposal position and picks
   the K in 0..k_max that maximises expected tokens per second. K = 0 is plain target decoding: when speculation does not
   pay (a hopeless draft, or a draft nearly as slow as the target), the request falls back to it and
@@ -49,6 +50,7 @@ class CostModel:
     window: int = 8
     samples: dict = field(default_factory=dict)  # num input tokens -> recent one-forward timings
     draft_samples: deque = field(default_factory=deque)  # one draft forward of a single token
+    draft_call_samples: deque = field(default_factory=deque)  # per drafting step, outside the draft's forwards
     overhead_seconds: float = 0.0  # per step, outside the forwards (sampling, verification, bookkeeping)
     seen: set = field(default_factory=set)  # kinds whose first (warm-up) timing was dropped
 
@@ -72,6 +74,11 @@ class CostModel:
         if num_forwards > 0 and self._warm("draft"):
             self._push(self.draft_samples, seconds / num_forwards)
 
+    def observe_draft_call(self, seconds: float) -> None:
+        """Time a drafting step spent outside the draft's own work (e.g. a remote call's round trip)."""
+        if self._warm("draft_call"):
+            self._push(self.draft_call_samples, seconds)
+
     def observe_overhead(self, seconds: float) -> None:
         self.overhead_seconds = 0.7 * self.overhead_seconds + 0.3 * max(0.0, seconds)
 
@@ -83,6 +90,10 @@ class CostModel:
     @property
     def draft_seconds(self) -> float | None:
         return min(self.draft_samples) if self.draft_samples else None
+
+    @property
+    def draft_call_seconds(self) -> float:
+        return min(self.draft_call_samples) if self.draft_call_samples else 0.0
 
     def target_cost(self, num_tokens: int) -> float | None:
         """Forward time for `num_tokens` input tokens, interpolated from the sizes seen so far."""
@@ -195,7 +206,9 @@ class AutoK:
         target = self.costs.target_cost(k + 1)
         if target is None or (k > 0 and self.costs.draft_seconds is None):
             return None
-        seconds = target + k * (self.costs.draft_seconds or 0.0) + self.costs.overhead_seconds
+        seconds = target + self.costs.overhead_seconds
+        if k > 0:
+            seconds += k * (self.costs.draft_seconds or 0.0) + self.costs.draft_call_seconds
         return self.expected_tokens(k) / seconds if seconds > 0 else None
 
     def best_k(self) -> int:

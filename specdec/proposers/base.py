@@ -24,6 +24,7 @@ class Proposal:
     probs: torch.Tensor | None = None
     num_forwards: int = 0  # draft model forward passes it took
     num_catchup_tokens: int = 0  # committed tokens the draft had not seen yet, fed in the first forward
+    seconds: float | None = None  # time it took where it ran (set by remote draft workers; None: not timed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:

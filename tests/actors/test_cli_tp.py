@@ -8,7 +8,8 @@ from specdec import SamplingParams, SpeculativeEngine
 from specdec.cli import main
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-pipeline"]], ids=["pipeline", "no-pipeline"])
+@pytest.mark.parametrize("extra", [[], ["--draft-placement", "separate"], ["--draft-placement", "separate", "--no-pipeline"]],
+                         ids=["auto", "separate-pipeline", "separate-no-pipeline"])
 def test_generate_tp2_json_equals_in_process(ray_session, tiny_llama, tiny_llama_draft, capsys, extra):
     args = ["generate", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--tp", "2",
             "--max-tokens", "24", "--json", *extra, "w5 w6 w7 w8"]

@@ -37,13 +37,13 @@ def ray_engines(ray_session, tiny_llama, tiny_llama_draft):
     """Engines built on first use and shut down at the end of the module (each takes ~10 s)."""
     built = {}
 
-    def get(tp: int, pipeline: bool, draft: str | None = None, k=4):
-        key = (tp, pipeline, draft, k)
+    def get(tp: int, pipeline: bool, draft: str | None = None, k=4, placement: str = "separate"):
+        key = (tp, pipeline, draft, k, placement)
         if key not in built:
             config = EngineConfig(target=str(tiny_llama), draft=draft or str(tiny_llama_draft), num_speculative_tokens=k)
             small = RolePlacement(num_cpus=0.1, num_threads=1)  # several engines share the 2 test CPUs
             built[key] = build_ray_engine(RayEngineConfig(engine=config, tp_size=tp, pipeline=pipeline, draft=small,
-                                                          target=small))
+                                                          target=small, draft_placement=placement))
         return built[key]
 
     yield get
@@ -51,10 +51,13 @@ def ray_engines(ray_session, tiny_llama, tiny_llama_draft):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("tp, pipeline", [(1, False), (1, True), (2, False), (2, True)],
-                         ids=["tp1", "tp1-pipeline", "tp2", "tp2-pipeline"])
-def test_greedy_equals_in_process_and_hf(ray_engines, in_process, references, tp, pipeline):
-    engine = ray_engines(tp, pipeline)
+@pytest.mark.parametrize("tp, pipeline, placement",
+                         [(1, False, "separate"), (1, True, "separate"), (2, False, "separate"), (2, True, "separate"),
+                          (1, False, "colocated"), (2, False, "colocated")],
+                         ids=["tp1", "tp1-pipeline", "tp2", "tp2-pipeline", "tp1-colocated", "tp2-colocated"])
+def test_greedy_equals_in_process_and_hf(ray_engines, in_process, references, tp, pipeline, placement):
+    engine = ray_engines(tp, pipeline, placement=placement)
+    assert engine.info["draft_placement"] == placement
     hits = 0
     for prompt, expected in zip(PROMPTS, references):
         out = engine.generate(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=MAX_TOKENS))
@@ -75,8 +78,9 @@ def test_ngram_tp2_equals_in_process(ray_engines, tiny_llama, references):
                                                            sampling=SamplingParams(max_tokens=MAX_TOKENS)).token_ids
 
 
-def test_seeded_sampling_is_bit_identical_to_in_process(ray_engines, in_process):
-    engine = ray_engines(1, False)
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_seeded_sampling_is_bit_identical_to_in_process(ray_engines, in_process, placement):
+    engine = ray_engines(1, False, placement=placement)
     for seed in range(5):
         params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=seed)
         remote = engine.generate(prompt_token_ids=PROMPTS[0], sampling=params)
@@ -169,6 +173,38 @@ def test_dead_draft_falls_back_to_target_only_and_restarts(ray_engines, referenc
     assert again.speculative.draft_failures == 0 and again.speculative.num_accepted_tokens > 0
 
 
+def test_colocated_draft_runs_in_the_rank0_shard_and_frees_its_state(ray_engines, ray_session):
+    engine = ray_engines(2, False, placement="colocated")
+    handles = engine.handles()
+    assert handles["draft"] == handles["shards"][0]  # no draft actor of its own
+    assert ray_session.get(handles["shards"][0].ready.remote()) == "model"
+    # A pipelining request on a colocated draft runs unpipelined (one process cannot draft and verify at once).
+    out = engine.generate(prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS), pipeline=True)
+    assert out.speculative.pipeline_hits == out.speculative.pipeline_misses == 0
+    assert out.speculative.num_accepted_tokens > 0
+    assert ray_session.get([s.num_requests.remote() for s in handles["shards"]]) == [0, 0]
+
+
+def test_failing_colocated_draft_falls_back_to_target_only(ray_session, tiny_llama, tiny_llama_draft, references):
+    small = RolePlacement(num_cpus=0.1, num_threads=1)
+    engine = build_ray_engine(RayEngineConfig(
+        engine=EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4),
+        tp_size=1, draft=small, target=small, draft_placement="colocated"))
+    try:
+        def break_draft(shard):
+            def boom(*args, **kwargs):
+                raise RuntimeError("draft out of memory")
+            shard.draft.propose = boom
+
+        shard = engine.handles()["shards"][0]
+        ray_session.get(shard.__ray_call__.remote(break_draft))
+        out = engine.generate(prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS))
+        assert out.token_ids == references[0]
+        assert out.speculative.draft_failures == 1 and out.speculative.num_draft_tokens == 0
+    finally:
+        engine.shutdown()
+
+
 def test_dead_shard_fails_the_request_clearly_and_the_engine_recovers(ray_engines, references, ray_session):
     from actors.coordinator import TargetShardError
 
@@ -195,7 +231,7 @@ def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_v
     small = RolePlacement(num_cpus=0.1, num_threads=1)
     engine = build_ray_engine(RayEngineConfig(
         engine=EngineConfig(target=str(target), draft=str(target), num_speculative_tokens=2),
-        tp_size=1, pipeline=True, draft=small, target=small))
+        tp_size=1, pipeline=True, draft=small, target=small, draft_placement="separate"))
     try:
         params = SamplingParams(temperature=0.5)  # peaked enough that the bonus guess often hits
         local = SpeculativeEngine.from_pretrained(str(target), draft="none")

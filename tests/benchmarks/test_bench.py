@@ -16,20 +16,22 @@ def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys
     data = json.loads((out / "bench.json").read_text())
     rows = {r["method"]: r for r in data["summary"]}
     expected = {"hf", "hf-assisted", "hf-prompt-lookup", "specdec-none", "specdec-k1", "specdec-k3", "specdec-auto",
-                "specdec-ngram", "ray-tp1", "ray-tp1-pipeline"}
+                "specdec-ngram", "ray-tp1-colocated", "ray-tp1-separate", "ray-tp1-separate-pipeline"}
     assert expected <= set(rows)
     assert rows["hf"]["speedup"] == 1.0
     for name, row in rows.items():
         assert row["prompts"] == 2 and row["tokens"] > 0 and row["tokens_per_second"] > 0, name
         assert row["identical_to_baseline"] == 2, name  # greedy: every method's tokens equal the baseline's
-    for name in ("specdec-k1", "specdec-k3", "specdec-auto", "ray-tp1", "ray-tp1-pipeline"):
+    for name in ("specdec-k1", "specdec-k3", "specdec-auto", "ray-tp1-colocated", "ray-tp1-separate",
+                 "ray-tp1-separate-pipeline"):
         row = rows[name]
         assert 0 <= row["acceptance_rate"] <= 1
         assert row["mean_accepted_length"] >= 1
         assert 0 < row["target_forwards_per_token"] <= 1
         assert row["cost_ratio_c"] > 0 and row["theoretical_speedup"] > 0 and row["efficiency"] > 0
     assert rows["specdec-k3"]["mean_k"] <= 3 and len(rows["specdec-k3"]["acceptance_by_position"]) == 3
-    assert rows["ray-tp1"]["vs_in_process"] > 0
+    for name in ("ray-tp1-colocated", "ray-tp1-separate", "ray-tp1-separate-pipeline"):
+        assert rows[name]["vs_in_process"] > 0, name
     markdown = (out / "bench.md").read_text()
     assert "| specdec-k3 |" in markdown and "speedup" in markdown
     for png in ("speedup.png", "acceptance_by_position.png", "speedup_vs_k.png"):
@@ -45,3 +47,5 @@ def test_bench_rejects_bad_input(tmp_path, capsys):
     assert main(["bench", "--prompts", str(bad)]) == 2
     assert "not JSON" in capsys.readouterr().err
     assert main(["bench", "--limit", "0"]) == 2
+    assert main(["bench", "--prompts", str(bad), "--ray-placement", "nearby"]) == 2
+    assert "draft placements" in capsys.readouterr().err

@@ -73,6 +73,25 @@ def test_hopeless_draft_falls_back_to_target_only_and_probes_with_backoff():
     assert all(b - a > 8 for a, b in zip(probes[1:], probes[2:]))
 
 
+def test_draft_call_overhead_is_paid_once_per_drafting_step():
+    """A remote draft's round trip is a fixed cost of drafting at all, not a per-token one: it must
+    not inflate c (which would shorten K), but it can make marginal drafting not worth it."""
+    policy = AutoK(measured(draft=0.05), k_max=8)
+    for _ in range(30):
+        policy.observe(8, 6)  # acceptance ~0.75 per position
+    k_local = policy.best_k()
+    for _ in range(2):
+        policy.costs.observe_draft_call(0.05)
+    assert policy.costs.draft_seconds == 0.05 and policy.costs.draft_call_seconds == 0.05
+    assert policy.best_k() >= k_local - 1 > 0  # a round trip per step barely changes the best K
+    for _ in range(2):
+        policy.costs.observe_draft_call(5.0)
+    policy.costs.draft_call_samples.clear()
+    for _ in range(2):
+        policy.costs.observe_draft_call(5.0)  # a call slower than the tokens it could save
+    assert policy.best_k() == 0
+
+
 def test_expensive_verify_prefers_short_proposals():
     cheap = AutoK(measured(slope=0.0), k_max=8)
     costly = AutoK(measured(slope=0.8), k_max=8)
