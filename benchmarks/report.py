@@ -124,21 +124,27 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
 
     written = []
     # 1. Speedup by method, with the theoretical bound where there is one.
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
+    # Horizontal bars: method names are long ("specdec-auto (pair of ray-tp1-colocated)").
+    fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.42 * len(rows)))
     names = [r["method"] for r in rows]
     speedups = [r.get("speedup") or 0 for r in rows]
     colors = {"hf": "#9e9e9e", "specdec": "#1f77b4", "ray": "#2ca02c"}
-    ax.bar(names, speedups, color=[colors.get(r["group"], "#1f77b4") for r in rows], label="measured")
+    y = list(range(len(rows)))
+    ax.barh(y, speedups, color=[colors.get(r["group"], "#1f77b4") for r in rows], label="measured")
+    for i, s in enumerate(speedups):
+        if s:
+            ax.text(s, i, f" {s:.2f}×", va="center", fontsize=8)
     theory = [(i, r["theoretical_speedup"]) for i, r in enumerate(rows) if r.get("theoretical_speedup")]
     if theory:
-        ax.scatter([i for i, _ in theory], [t for _, t in theory], marker="_", s=400, color="#d62728", zorder=3,
+        ax.scatter([t for _, t in theory], [i for i, _ in theory], marker="|", s=300, color="#d62728", zorder=3,
                    label="theoretical (α, c measured)")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("speedup vs baseline (median)")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()  # table order, top to bottom
+    ax.set_xlim(0, 1.18 * max(speedups + [t for _, t in theory] + [1.0]))
+    ax.set_xlabel("speedup vs baseline (median over prompts)")
     ax.set_title("Speedup by method")
-    ax.tick_params(axis="x", rotation=45)
-    plt.setp(ax.get_xticklabels(), ha="right")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)  # off the bars
     fig.tight_layout()
     written.append(_save(fig, out_dir / "speedup.png"))
     # 2. Acceptance by position.
