@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from actors.config import DRAFT_PLACEMENTS
+
 
 def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
     g = generate_parser.add_argument_group("distributed (Ray)")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="run on Ray: N tensor-parallel target shards, a draft worker and a coordinator "
                         "(joins $RAY_ADDRESS, else starts a local Ray)")
-    g.add_argument("--draft-placement", choices=("auto", "colocated", "separate"), default="auto",
+    g.add_argument("--draft-placement", choices=DRAFT_PLACEMENTS, default="auto",
                    help="with --tp: run the draft inside the rank-0 target shard (colocated) or in its own actor "
                         "(separate); auto colocates on CPU-only nodes, where both would share the cores "
                         "[default: auto]")

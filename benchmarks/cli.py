@@ -57,14 +57,12 @@ def register(subparsers, generate_parser) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import prompts as prompt_sources
-    from benchmarks.runner import BenchConfig, run
+    from benchmarks.runner import BenchConfig, check_ray_placements, run
     from specdec.config import SamplingParams
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    bad = [p for p in args.ray_placement if p not in ("colocated", "separate")]
-    if bad or not args.ray_placement:
-        raise ValueError(f"--ray-placement: draft placements are colocated and/or separate, got {','.join(bad)!r}")
+    check_ray_placements(args.ray_placement)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens, seed=args.seed)
     if args.prompts:

@@ -40,6 +40,15 @@ BASELINE = "hf"
 REFERENCE = "specdec-none"
 
 
+RAY_PLACEMENTS = ("colocated", "separate")  # actors.config.DRAFT_PLACEMENTS less "auto"
+
+
+def check_ray_placements(placements) -> None:
+    bad = [p for p in placements if p not in RAY_PLACEMENTS]
+    if bad or not placements:
+        raise ValueError(f"--ray-placement: draft placements are colocated and/or separate, got {','.join(bad)!r}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     target: str
@@ -52,7 +61,7 @@ class BenchConfig:
     hf: bool = True
     ngram: bool = True
     ray_tps: tuple[int, ...] = (1, 2)
-    ray_placements: tuple[str, ...] = ("colocated", "separate")
+    ray_placements: tuple[str, ...] = RAY_PLACEMENTS
     threads: int | None = None
     chat: bool = False
     out_dir: Path = Path("bench-results")
@@ -65,9 +74,8 @@ class BenchConfig:
             raise ValueError(f"every K of the sweep must be >= 1, got {self.k_sweep}")
         if any(tp < 1 for tp in self.ray_tps):
             raise ValueError(f"every tensor parallel size must be >= 1, got {self.ray_tps}")
-        bad = [p for p in self.ray_placements if p not in ("colocated", "separate")]
-        if bad or (self.ray_tps and not self.ray_placements):
-            raise ValueError(f"draft placements must be colocated and/or separate, got {','.join(self.ray_placements)!r}")
+        if self.ray_tps:
+            check_ray_placements(self.ray_placements)
         if self.draft in ("none", "ngram"):
             raise ValueError("the benchmark needs a draft model (n-gram lookup is always included)")
 

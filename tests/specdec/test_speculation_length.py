@@ -84,11 +84,8 @@ def test_draft_call_overhead_is_paid_once_per_drafting_step():
         policy.costs.observe_draft_call(0.05)
     assert policy.costs.draft_seconds == 0.05 and policy.costs.draft_call_seconds == 0.05
     assert policy.best_k() >= k_local - 1 > 0  # a round trip per step barely changes the best K
-    for _ in range(2):
-        policy.costs.observe_draft_call(5.0)
     policy.costs.draft_call_samples.clear()
-    for _ in range(2):
-        policy.costs.observe_draft_call(5.0)  # a call slower than the tokens it could save
+    policy.costs.observe_draft_call(5.0)  # a call slower than the tokens it could save
     assert policy.best_k() == 0
 
 
