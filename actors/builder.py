@@ -201,14 +201,19 @@ def _exhausted(gen) -> bool:
         return False
 
 
+def prepare_models(config: RayEngineConfig) -> None:
+    """Pull preset models into this node's cache (with progress bars) before any actor loads them."""
+    for spec in (config.engine.target, config.engine.draft):
+        if is_preset(spec):
+            model_cache.ensure(spec)
+
+
 def build_ray_engine(config: RayEngineConfig, address: str | None = None) -> RayEngine:
     """Start the coordinator (which starts the draft worker and the target shards) and wait until
     every model is loaded. Presets are pulled here first, so actors on this node find them cached."""
     from actors.coordinator import Coordinator
 
-    for spec in (config.engine.target, config.engine.draft):
-        if is_preset(spec):
-            model_cache.ensure(spec)
+    prepare_models(config)
     ensure_ray(address)
     coordinator = (ray.remote(Coordinator)
                    .options(num_cpus=config.coordinator_num_cpus, max_restarts=0, max_concurrency=1000)

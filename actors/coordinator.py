@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
 
 import ray
@@ -33,7 +34,7 @@ from actors.builder import create_draft_worker, create_target_group, kill_target
 from actors.config import RayEngineConfig
 from specdec.config import SamplingParams
 from specdec.models import check_same_vocabulary, load_tokenizer
-from specdec.prompt import resolve_prompt
+from specdec.prompt import Prompt, resolve_prompt
 from specdec.proposers import Proposal
 from specdec.sequence import Sequence as GenSequence, StreamChunk
 from specdec.speculation_length import CostModel, make_policy
@@ -56,6 +57,9 @@ class Coordinator:
         self.costs = CostModel()
         self._group_ready: asyncio.Event | None = None
         self._generation = 0  # bumped at every rebuild of the shard group
+        self._active: set[str] = set()  # ids of the requests in flight
+        # Every call to an actor is submitted from this one thread (see `_detached`).
+        self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-submit")
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair, start the shard group and the draft worker."""
@@ -87,6 +91,7 @@ class Coordinator:
         return group.shards[0] if self.config.colocated else self.draft
 
     def shutdown(self) -> None:
+        self._submitter.shutdown(wait=False)
         kill_target_group(self.group)
         self.group = None
         if self.draft is not None:
@@ -103,24 +108,40 @@ class Coordinator:
     async def cache_lengths(self, request_id: str) -> list:
         return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
 
+    async def request_counts(self, timeout_s: float = 10.0) -> dict:
+        """Requests holding state, per place: here (in flight), on each shard (KV caches, and draft
+        states when colocated) and in the separate draft worker. Every actor answers, or this raises:
+        it doubles as the health check of the group."""
+        refs = [s.num_requests.remote() for s in self.group.shards]
+        if self.draft is not None:
+            refs.append(self.draft.num_requests.remote())
+        counts = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+        return {"coordinator": len(self._active), "shards": counts[:len(self.group.shards)],
+                "draft": counts[len(self.group.shards)] if self.draft is not None else None}
+
     # ---------------------------------------------------------------------------- requests
 
-    async def generate_stream(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+    async def generate_stream(self, prompt: Prompt | None = None, prompt_token_ids: Sequence[int] | None = None,
                               sampling: SamplingParams | None = None, chat: bool = False,
                               request_id: str | None = None, num_speculative_tokens: int | str | None = None,
                               pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
-        """`num_speculative_tokens` and `pipeline` override the engine's settings for this request."""
+        """`prompt` is text, or with `chat` a list of {"role", "content"} messages (or pass the ids);
+        `num_speculative_tokens` (an int, "auto", or 0 for target-only) and `pipeline` override the
+        engine's settings for this request."""
         sampling = sampling or SamplingParams()
         policy = make_policy(self.config.engine, self.costs, num_speculative_tokens, has_draft=self.has_draft)
         # Pipelining needs a draft in a process of its own; a colocated draft ignores the request.
         pipeline = self.config.pipeline if pipeline is None else (pipeline and self.draft is not None)
-        ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.info["vocab_size"],
-                             self.info["max_context"], self.config.engine.target)
+        ids, sampling = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling,
+                                       self.info["vocab_size"], self.info["max_context"], self.config.engine.target)
         await self._group_ready.wait()
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already in flight")
         group, generation = self.group, self._generation
         seq = GenSequence(ids, sampling, self.tokenizer, frozenset(self.info["eos_token_ids"]))
         draft_ok = self.has_draft
+        self._active.add(request_id)
         try:
             if len(ids) > 1:
                 await self._forward(group, generation, request_id, ids[:-1], 1, 0, greedy=True)
@@ -133,6 +154,7 @@ class Coordinator:
                     chunk.output = seq.output()
                 yield chunk
         finally:
+            self._active.discard(request_id)
             await self._release(group, request_id)
 
     async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok, pipeline):
@@ -146,18 +168,20 @@ class Coordinator:
                 proposal = _truncate(pending, k)
             else:
                 try:
-                    proposal = await drafter.propose.remote(request_id, seq.token_ids, k, sampling)
+                    proposal = await (await self._detached(
+                        lambda: drafter.propose.remote(request_id, seq.token_ids, k, sampling)))
                     drafted = True
                 except ray.exceptions.RayError as e:
                     draft_ok = self._draft_failed(seq, e)
         t1 = time.perf_counter()
         inputs = [seq.token_ids[-1]] + proposal.token_ids
-        verify = self._submit(group, "forward", request_id, inputs, len(inputs), len(seq.token_ids) - 1,
-                              sampling.greedy)
+        verify = await self._submit(group, "forward", request_id, inputs, len(inputs), len(seq.token_ids) - 1,
+                                    sampling.greedy)
         predraft = None
         if pipeline and draft_ok and len(proposal):
-            predraft = drafter.propose.remote(request_id, seq.token_ids + proposal.token_ids, len(proposal) + 1,
-                                                 sampling)
+            context = seq.token_ids + proposal.token_ids
+            predraft = await self._detached(
+                lambda: drafter.propose.remote(request_id, context, len(proposal) + 1, sampling))
         target_out = (await self._await_shards(verify, generation, "verification"))[0]
         t2 = time.perf_counter()
         if sampling.greedy:
@@ -205,18 +229,28 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------ shards
 
-    @staticmethod
-    def _submit(group, method: str, *args) -> list:
+    async def _detached(self, submit):
+        """Run `submit` (which calls `.remote()`) on the submitter thread and return its refs.
+
+        Outside the request's own task context the calls are not Ray children of the request, so
+        cancelling the request (Ray Serve cancels the replica's task, recursively, when a client goes
+        away or times out) does not cancel them: an actor call interrupted midway would leave one
+        shard out of a collective the others are waiting in. The request's coroutine still stops at
+        its next await, and its `finally` frees the caches. One thread keeps each batch of calls to
+        all shards contiguous, so every shard sees calls in the same order."""
+        return await asyncio.get_running_loop().run_in_executor(self._submitter, submit)
+
+    async def _submit(self, group, method: str, *args) -> list:
         """Submit one call to every shard before awaiting any, so all shards see calls in one order
         (Ray runs an actor's calls from one caller in submission order)."""
-        return [getattr(s, method).remote(*args) for s in group.shards]
+        return await self._detached(lambda: [getattr(s, method).remote(*args) for s in group.shards])
 
     async def _forward(self, group, generation, request_id, token_ids, num_logits, expected_length, greedy):
-        refs = self._submit(group, "forward", request_id, token_ids, num_logits, expected_length, greedy)
+        refs = await self._submit(group, "forward", request_id, token_ids, num_logits, expected_length, greedy)
         return (await self._await_shards(refs, generation, "prefill"))[0]
 
     async def _rewind(self, group, generation, request_id, length):
-        refs = self._submit(group, "rewind", request_id, length)
+        refs = await self._submit(group, "rewind", request_id, length)
         lengths = await self._await_shards(refs, generation, "rewind")
         if any(n != length for n in lengths):
             await self._rebuild(generation, f"cache lengths {lengths} after rewinding to {length}")
@@ -249,9 +283,9 @@ class Coordinator:
             self._group_ready.set()
 
     async def _release(self, group, request_id: str) -> None:
-        refs = [s.release.remote(request_id) for s in group.shards]
-        if self.draft is not None:
-            refs.append(self.draft.release.remote(request_id))
+        draft = self.draft
+        refs = await self._detached(lambda: [s.release.remote(request_id) for s in group.shards]
+                                    + ([draft.release.remote(request_id)] if draft is not None else []))
         for ref in refs:
             try:
                 await asyncio.wait_for(ref, timeout=10)

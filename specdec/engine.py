@@ -28,7 +28,7 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.kernels import apply_linear_kernel, choose_draft_quantization, choose_linear_kernel, quantize_int8
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary, load_model, select_device, set_threads
-from specdec.prompt import resolve_prompt, tokenize_prompt
+from specdec.prompt import Prompt, resolve_prompt, tokenize_prompt
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
 from specdec.sequence import GenerationOutput, Sequence as GenSequence, StreamChunk
 from specdec.speculation_length import CostModel, make_policy
@@ -107,7 +107,7 @@ class SpeculativeEngine:
 
     def generate(
         self,
-        prompt: str | None = None,
+        prompt: Prompt | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
@@ -115,6 +115,8 @@ class SpeculativeEngine:
         num_speculative_tokens: int | str | None = None,
     ) -> GenerationOutput:
         """Generate a completion; returns text, token ids, finish reason, usage and speculation stats.
+
+        `prompt` is text, or with `chat` a list of {"role", "content"} messages.
 
         `num_speculative_tokens` overrides the engine's K (an int or "auto") for this request.
         """
@@ -127,7 +129,7 @@ class SpeculativeEngine:
 
     def generate_stream(
         self,
-        prompt: str | None = None,
+        prompt: Prompt | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
@@ -137,8 +139,8 @@ class SpeculativeEngine:
         """Yield what each step commits; the last chunk carries the finish reason and the whole output."""
         sampling = sampling or SamplingParams()
         policy = make_policy(self.config, self.costs, num_speculative_tokens, has_draft=self.proposer is not None)
-        ids = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling, self.target.vocab_size,
-                             self.target.max_context, self.target_model.spec)
+        ids, sampling = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling,
+                                       self.target.vocab_size, self.target.max_context, self.target_model.spec)
         with self._lock:
             yield from self._run(ids, sampling, policy)
 

@@ -237,8 +237,9 @@ class AutoK:
 
 
 def make_policy(config: EngineConfig, costs: CostModel, override: int | str | None = None, has_draft: bool = True):
-    """The K policy of one request: the engine's setting, or a per-request override (int or "auto")."""
-    if not has_draft:
+    """The K policy of one request: the engine's setting, or a per-request override (an int, "auto",
+    or 0 to decode this request with the target alone)."""
+    if not has_draft or (override == 0 and not isinstance(override, bool)):
         return FixedK(0)
     k = config.num_speculative_tokens if override is None else override
     if isinstance(k, str) and k.strip().lower() == AUTO:

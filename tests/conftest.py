@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import make_model
+from tests.tiny_models import TINY_CHAT_TEMPLATE, make_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -41,6 +41,26 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_draft(tmp_path_factory, tiny_qwen2) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny-qwen2-draft"), perturb_from=tiny_qwen2, noise=0.03, seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tmp_path_factory) -> Path:
+    """tiny_llama's shape with a chat template over its vocabulary (for chat completions)."""
+    return make_model(tmp_path_factory.mktemp("tiny-chat-llama"), "llama", vocab_size=96, seed=1,
+                      chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama_draft(tmp_path_factory, tiny_chat_llama) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-chat-llama-draft"), perturb_from=tiny_chat_llama, noise=0.03,
+                      seed=2, chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_llama(tmp_path_factory) -> Path:
+    """A tiny model with a 4096-token context: a generation of thousands of tokens takes seconds, so a
+    request can be held in flight (timeouts, overload) without any hook in the server."""
+    return make_model(tmp_path_factory.mktemp("tiny-long-llama"), "llama", vocab_size=96, seed=6, context=4096)
 
 
 @pytest.fixture(scope="session")

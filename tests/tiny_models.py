@@ -23,6 +23,14 @@ def make_tokenizer(vocab_size: int, eos: bool = True):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
 
 
+#: A chat template over the tiny vocabulary: role markers are words of it (w90 system, w91 user,
+#: w92 assistant), so templated prompts tokenize to known ids.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ {'system': 'w90', 'user': 'w91', 'assistant': 'w92'}[m['role']] }} "
+    "{{ m['content'] }} w93 {% endfor %}{% if add_generation_prompt %}w92 {% endif %}"
+)
+
+
 def make_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4,
                 kv_heads: int = 2, context: int = 512, init_range: float = 0.2, eos_token_id: int | None = 0):
     from transformers import LlamaConfig, Qwen2Config
@@ -49,7 +57,8 @@ def make_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
 
 
 def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int = 0, tokenizer=None,
-               perturb_from: Path | None = None, noise: float = 0.0, **config_kwargs) -> Path:
+               perturb_from: Path | None = None, noise: float = 0.0, chat_template: str | None = None,
+               **config_kwargs) -> Path:
     """Build, save and return the directory of a tiny random model.
 
     `perturb_from`: start from that model's weights plus Gaussian noise of std `noise`, which gives a
@@ -71,5 +80,7 @@ def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int 
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.save_pretrained(path)
     tok = tokenizer or make_tokenizer(model.config.vocab_size, eos=model.config.eos_token_id is not None)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     tok.save_pretrained(path)
     return path

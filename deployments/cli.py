@@ -1,0 +1,183 @@
+"""`specdec serve`: the OpenAI-compatible HTTP service on Ray Serve, registered as a CLI plugin
+(entry point group `specdec.cli`) so the core never imports this layer.
+
+    specdec serve                                   # the embedded default pair on 127.0.0.1:8000
+    specdec serve --target DIR --draft ngram --tp 2 --replicas 2 --port 8001 --api-key KEY
+
+Starts a local Ray (or joins $RAY_ADDRESS / --ray-address), pulls preset models with progress bars,
+deploys the app, waits until /health answers 200, prints the base URL, and on Ctrl-C or SIGTERM
+shuts Serve and every actor down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+from actors.config import DRAFT_PLACEMENTS
+
+APP_NAME = "specdec"
+
+
+def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
+    from specdec.cli import add_model_arguments
+
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (Ray Serve)",
+                              description="Serve /v1/completions, /v1/chat/completions and /v1/models, answered by "
+                                          "lossless speculative decoding on Ray actors.")
+    add_model_arguments(p)
+    g = p.add_argument_group("engine on Ray")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel target shards per replica "
+                                                                  "[default: 1]")
+    g.add_argument("--draft-placement", choices=DRAFT_PLACEMENTS, default="auto",
+                   help="the draft inside the rank-0 shard (colocated) or in its own actor (separate) [default: auto]")
+    g.add_argument("--no-pipeline", action="store_true", help="separate draft: do not pre-draft while verifying")
+    g.add_argument("--replicas", type=int, default=1, metavar="N", help="independent engines behind one ingress "
+                                                                        "[default: 1]")
+    g.add_argument("--ray-address", default=None, help="the Ray cluster to join [default: $RAY_ADDRESS, else a "
+                                                       "local Ray]")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
+    h.add_argument("--port", type=int, default=8000, help="[default: 8000]")
+    h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' [default: $SPECDEC_API_KEY]")
+    h.add_argument("--served-model-name", default=None, help="the model id clients send [default: the target's name]")
+    h.add_argument("--max-ongoing-requests", type=int, default=16, metavar="N",
+                   help="requests generating at once per replica [default: 16]")
+    h.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
+                   help="requests waiting beyond those; more get 503 with Retry-After [default: 64]")
+    h.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a request still running after this fails with 408 and is cancelled [default: 600]")
+    h.add_argument("--max-n", type=int, default=8, help="largest n × prompts per request [default: 8]")
+    p.set_defaults(func=cmd_serve)
+
+
+def options_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from deployments.config import ServeOptions
+    from specdec.cli import CliError
+
+    fields = dict(target=args.target, draft=args.draft, k=args.k, max_k=args.max_k, tp=args.tp,
+                  draft_placement=args.draft_placement, pipeline=not args.no_pipeline, device=args.device,
+                  dtype=args.dtype, threads=args.threads, linear_kernel=args.linear_kernel,
+                  draft_quantization=args.draft_quantization, replicas=args.replicas,
+                  served_model_name=args.served_model_name, max_ongoing_requests=args.max_ongoing_requests,
+                  max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+                  max_n=args.max_n, api_key=args.api_key)
+    try:
+        options = ServeOptions(**fields)
+        options.ray_engine_config()  # the core's and the actors' checks, before anything starts
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        name = {"request_timeout_s": "--request-timeout", "pipeline": "--no-pipeline"}.get(
+            field, "--" + field.replace("_", "-")) if field else "options"
+        raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+    if not 1 <= args.port <= 65535:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    return options
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.models import resolve_spec
+
+    options = options_from_args(args)
+    for spec in (options.target, options.draft):
+        if spec not in ("ngram", "none"):
+            resolve_spec(spec)  # a missing path fails here (exit 2), not in a replica
+    started = time.monotonic()
+
+    import ray
+    from ray import serve
+
+    from actors.builder import ensure_ray, prepare_models
+    from deployments.builder import build_app
+
+    prepare_models(options.ray_engine_config())  # pulls presets here, with progress bars
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines drown the ready line
+    ensure_ray(args.ray_address)
+    stop = _install_signal_handlers()  # after ray.init, which installs handlers of its own
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        _say(f"loading {options.target} (draft {options.draft}, K {options.k}, tp {options.tp}, "
+             f"{options.replicas} replica{'s' if options.replicas > 1 else ''}) ...")
+        try:
+            serve.run(build_app(options), name=APP_NAME, route_prefix="/",
+                      logging_config={"log_level": "WARNING", "enable_access_log": False})
+        except RuntimeError as e:
+            _say(f"error: the service failed to start: {_last_error_line(e)}")
+            return 1
+        base = f"http://{_display_host(args.host)}:{args.port}"
+        try:
+            _wait_healthy(base)
+        except RuntimeError as e:
+            _say(f"error: {e}")
+            return 1
+        stop.serving = True
+        _say(f"ready in {time.monotonic() - started:.1f}s: {base}/v1 (model {options.served_model_name!r}"
+             f"{', API key required' if options.api_key else ''}); Ctrl-C to stop")
+        print(f"{base}/v1", flush=True)
+        while not stop.wait(1.0):
+            pass
+        _say("shutting down")
+        return 0
+    except KeyboardInterrupt:
+        _say("interrupted; shutting down")
+        return 130
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _install_signal_handlers():
+    """SIGINT/SIGTERM: interrupt the start-up, or once serving, end the wait for a clean shutdown."""
+    import threading
+
+    stop = threading.Event()
+    stop.serving = False
+
+    def handler(signum, frame):
+        stop.set()
+        if not stop.serving:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _wait_healthy(base: str, timeout_s: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{base}/health", timeout=10)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise RuntimeError(f"{base}/health did not answer 200 within {timeout_s:.0f}s: {last}")
+
+
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _last_error_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0]]
+    return (errors or lines or ["unknown error"])[-1][:500]
+
+
+def _say(message: str) -> None:
+    print(f"[specdec serve] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,70 @@
+"""The model deployment: one engine per replica, the coordinator of `actors/` run in the replica's
+own process (its target shards and draft are Ray actors it starts and owns).
+
+A plain class: `deployments/builder.py` makes it a Serve deployment. The ingress calls
+`generate` through a streaming handle (`handle.options(stream=True)`); each item is a core
+`StreamChunk`, sent as soon as the coordinator commits it.
+
+Streaming contract (the coordinator's, passed through): chunks in commit order, each holding the
+tokens of one verification step and the text they completed; exactly one chunk, the last, has a
+`finish_reason` and the whole `GenerationOutput`. A bad request raises `ValueError` before the first
+chunk. Closing or cancelling the stream (client gone, timeout) cancels the request, and its KV
+caches are freed on every actor. The replica's death takes its coordinator and actors with it
+(Ray owners), and Serve starts a new replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from actors.builder import prepare_models
+from actors.coordinator import Coordinator
+from deployments.config import ServeOptions
+from specdec.config import SamplingParams
+from specdec.sequence import StreamChunk
+
+logger = logging.getLogger(__name__)
+
+
+class ModelServer:
+    async def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.config = options.ray_engine_config()
+        prepare_models(self.config)
+        self.coordinator = Coordinator(self.config)
+        try:
+            self.info = await self.coordinator.start()
+        except BaseException:
+            self.coordinator.shutdown()
+            raise
+        logger.info("engine ready: %s", self.info)
+
+    async def generate(self, request_id: str, sampling: SamplingParams, prompt=None, prompt_token_ids=None,
+                       chat: bool = False, num_speculative_tokens: int | str | None = None,
+                       pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
+        stream = self.coordinator.generate_stream(prompt, prompt_token_ids, sampling, chat, request_id,
+                                                  num_speculative_tokens, pipeline)
+        async with contextlib.aclosing(stream):  # a cancelled or closed stream frees the request at once
+            async for chunk in stream:
+                yield chunk
+
+    def model_info(self) -> dict:
+        """The engine's facts for /v1/models: context length, device, K policy, placement."""
+        return {**self.options.describe(self.config), "max_context": self.info["max_context"],
+                "device": self.info["device"], "dtype": self.info["dtype"],
+                "linear_kernel": self.info["linear_kernel"]}
+
+    async def request_counts(self) -> dict:
+        """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""
+        return await self.coordinator.request_counts()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: every actor of the engine must answer."""
+        await self.coordinator.request_counts()
+
+    def __del__(self) -> None:
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is not None:
+            coordinator.shutdown()

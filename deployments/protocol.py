@@ -1,0 +1,285 @@
+"""The OpenAI wire format: request and response bodies of /v1/completions and /v1/chat/completions
+(pydantic models), the error body, and the one conversion of a request into the core's
+`SamplingParams` and per-request speculation overrides.
+
+Field names and defaults follow OpenAI's API (temperature 1, top_p 1; completions max_tokens 16,
+chat until EOS or the end of the context). Extensions, as vLLM has them: `top_k`, `ignore_eos`,
+and `speculative` ({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool}).
+
+OpenAI parameters this server does not implement are rejected by name (400) unless they carry
+their "off" value (`logprobs: null`, `presence_penalty: 0`, ...), which some clients always send;
+any other unknown field is a 400 too. `user` is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from specdec.config import SamplingParams
+
+# --------------------------------------------------------------------------- unsupported parameters
+
+#: OpenAI parameters we know and do not implement; each may only carry its "off" value.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+               "response_format", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
+_OFF = (None, False, 0, 0.0, "", [], {})
+_ALSO_OFF = {"best_of": (1,), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True,),
+             "response_format": ({"type": "text"},)}
+
+
+def _off(name: str):
+    """A field that may only carry an "off" value (compared with its type: 0 is not False)."""
+    allowed = _OFF + _ALSO_OFF.get(name, ())
+
+    def check(value: Any) -> Any:
+        if not any(type(value) is type(off) and value == off for off in allowed):
+            raise ValueError(f"'{name}' is not supported by this server")
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------------------- requests
+
+class StreamOptions(StrictModel):
+    include_usage: bool = Field(False, description="send a last chunk with usage (and the merged speculative "
+                                                   "stats) before [DONE]")
+
+
+class SpeculativeOptions(StrictModel):
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+        None, description="K for this request: a number, 'auto', or 0 for the target alone")
+    pipeline: bool | None = Field(None, description="pre-draft while verifying (separate draft only)")
+
+
+class SamplingRequest(StrictModel):
+    """The fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="the served model id (see /v1/models)")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens; 0 or -1 = off")
+    n: int = Field(1, ge=1, description="independent choices per prompt; choice i uses seed + i")
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="up to 16 strings that end the text (not included)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: keep generating past the EOS token")
+    speculative: SpeculativeOptions | None = Field(None, description="extension: per-request speculation")
+    user: str | None = Field(None, description="accepted and ignored")
+
+    logprobs: _off("logprobs") = None
+    top_logprobs: _off("top_logprobs") = None
+    logit_bias: _off("logit_bias") = None
+    presence_penalty: _off("presence_penalty") = None
+    frequency_penalty: _off("frequency_penalty") = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop: at most 16 non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+    def sampling(self, index: int = 0) -> SamplingParams:
+        """The core's parameters for choice `index` (its seed is seed + index)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
+                              top_k=max(0, self.top_k), max_tokens=self.effective_max_tokens,
+                              seed=None if self.seed is None else self.seed + index, stop=tuple(stops),
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def speculation(self) -> dict:
+        """Keyword arguments of the coordinator's per-request overrides."""
+        s = self.speculative or SpeculativeOptions()
+        return {"num_speculative_tokens": s.num_speculative_tokens, "pipeline": s.pipeline}
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, a list of texts (one choice each), token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: _off("echo") = None
+    suffix: _off("suffix") = None
+    best_of: _off("best_of") = None
+
+    def prompts(self) -> list[dict]:
+        """One entry per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise ValueError("prompt: is empty")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="as max_tokens; wins when both are given")
+    tools: _off("tools") = None
+    tool_choice: _off("tool_choice") = None
+    functions: _off("functions") = None
+    function_call: _off("function_call") = None
+    parallel_tool_calls: _off("parallel_tool_calls") = None
+    response_format: _off("response_format") = None
+    modalities: _off("modalities") = None
+    audio: _off("audio") = None
+    prediction: _off("prediction") = None
+    reasoning_effort: _off("reasoning_effort") = None
+    web_search_options: _off("web_search_options") = None
+    store: bool | None = Field(None, description="accepted and ignored (nothing is stored)")
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens  # None: to EOS or the end of the context
+
+    def prompts(self) -> list[dict]:
+        # "developer" is OpenAI's newer name for the system role.
+        return [{"prompt": [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                            for m in self.messages], "chat": True}]
+
+
+# ------------------------------------------------------------------------------------ responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+    speculative: dict | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculative: dict | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+    speculative: dict | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    speculative: dict | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    speculative: dict | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    speculative: dict | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdec"
+    max_model_len: int | None = None
+    specdec: dict = Field(default_factory=dict, description="the engine behind this id")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

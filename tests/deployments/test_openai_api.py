@@ -1,0 +1,399 @@
+"""The HTTP service on a real Ray Serve app (built from deployments/serve.yaml's import path and
+args, tiny models), driven over HTTP on 127.0.0.1 by the official `openai` client and by httpx.
+
+Two apps share one Serve instance, built once for the module: `specdec` (a draft model, an API
+key) and `strict` at /strict (a 4096-token-context target, one request at a time, one queued, a
+3 s timeout) for overload and timeouts: its generations of thousands of tokens hold a request in
+flight without any hook in the server.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from specdec import SamplingParams, SpeculativeEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-test-specdec"
+MODEL = "tiny"
+PROMPT = "w5 w6 w7 w8"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    base: str
+    client: openai.OpenAI
+    target: str
+    draft: str
+
+    def counts(self, app: str = "specdec") -> dict:
+        from ray import serve
+
+        return serve.get_deployment_handle("SpecdecModel", app_name=app).request_counts.remote().result()
+
+    def wait_idle(self, app: str = "specdec", timeout_s: float = 30) -> dict:
+        """Every actor's per-request state is gone (in flight, KV caches, draft states)."""
+        deadline = time.time() + timeout_s
+        while True:
+            counts = self.counts(app)
+            idle = counts["coordinator"] == 0 and not any(counts["shards"]) and not counts["draft"]
+            if idle or time.time() > deadline:
+                return counts
+            time.sleep(0.2)
+
+
+def _builder_and_args():
+    config = yaml.safe_load((ROOT / "deployments" / "serve.yaml").read_text())
+    (app,) = config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    return getattr(importlib.import_module(module), name), dict(app["args"])
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama):
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    build_app, args = _builder_and_args()
+    small = {"num_cpus": 0.1}
+    args.update(target=str(tiny_chat_llama), draft=str(tiny_chat_llama_draft), threads=1, target_role=small,
+                draft_role=small, api_key=KEY, served_model_name=MODEL, max_ongoing_requests=8,
+                max_queued_requests=16, request_timeout_s=120)
+    serve.run(build_app(args), name="specdec", route_prefix="/")
+    serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "threads": 1, "target_role": small,
+                         "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
+                         "request_timeout_s": 3}), name="strict", route_prefix="/strict")
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+    yield Service(base, client, str(tiny_chat_llama), str(tiny_chat_llama_draft))
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(service):
+    """The in-process engine with the same models and K: what `specdec generate` runs."""
+    return SpeculativeEngine.from_pretrained(service.target, draft=service.draft, num_speculative_tokens=4)
+
+
+def _post(service, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{service.base}{path}", json=body, headers=headers, timeout=60, **kwargs)
+
+
+# ------------------------------------------------------------------------------ completions
+
+def test_greedy_completion_equals_specdec_generate(service, local):
+    out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    cli = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", service.target, "--draft",
+                          service.draft, "--k", "4", "--max-tokens", "40", "--threads", "1", "--json", PROMPT],
+                         capture_output=True, text=True, timeout=300, check=True)
+    expected = json.loads(cli.stdout)
+    assert out.choices[0].text == expected["text"]
+    assert out.choices[0].finish_reason == expected["finish_reason"]
+    assert out.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    assert out.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    spec = out.model_extra["speculative"]
+    for name in ("acceptance_rate", "token_acceptance_rate", "mean_accepted_length", "accepted_per_position",
+                 "target_forwards", "pipeline_hits"):
+        assert name in spec
+    assert spec["num_accepted_tokens"] == expected["speculative"]["num_accepted_tokens"] > 0
+    assert out.choices[0].text == local.generate(PROMPT, sampling=SamplingParams(max_tokens=40)).text
+
+
+def test_streamed_chunks_concatenate_to_the_text(service):
+    whole = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    chunks = list(service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                                    stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == whole.choices[0].text
+    assert sum(bool(t) for t in texts) > 1  # it really streams: one chunk per verification step
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].model_extra["speculative"]["num_draft_tokens"] > 0
+
+
+def test_stream_usage_chunk_and_done(service):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = _post(service, "/v1/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 12
+    assert last["speculative"]["num_drafts"] > 0
+
+
+def test_stop_strings_and_token_id_prompts(service, local):
+    params = SamplingParams(max_tokens=40)
+    reference = local.generate(PROMPT, sampling=params)
+    stop = reference.text.split()[5]
+    out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    expected = local.generate(PROMPT, sampling=params.replace(stop=(stop,)))
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected.text, "stop")
+    ids = local.tokenize(PROMPT)
+    by_ids = service.client.completions.create(model=MODEL, prompt=ids, max_tokens=40, temperature=0)
+    assert by_ids.choices[0].text == reference.text
+
+
+def test_a_list_of_prompts_gets_one_choice_each(service, local):
+    prompts = ["w5 w6 w7 w8", "w3", "w10 w20 w30 w10 w20"]
+    out = service.client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for prompt, choice in zip(prompts, out.choices):
+        assert choice.text == local.generate(prompt, sampling=SamplingParams(max_tokens=20)).text
+    assert out.usage.prompt_tokens == sum(len(local.tokenize(p)) for p in prompts)
+    assert out.usage.completion_tokens == 60
+
+
+def test_seeded_sampling_equals_in_process_and_n_choices_use_seed_plus_i(service, local):
+    out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,
+                                            seed=7, n=3, extra_body={"top_k": 50})
+    assert len(out.choices) == 3
+    for i, choice in enumerate(out.choices):
+        params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=30, seed=7 + i)
+        assert choice.text == local.generate(PROMPT, sampling=params).text
+    assert len({c.text for c in out.choices}) > 1  # independent samples
+    streamed = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.9,
+                                                 top_p=0.95, seed=7, n=3, extra_body={"top_k": 50}, stream=True)
+    texts = ["", "", ""]
+    for c in streamed:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in out.choices]
+
+
+def test_per_request_speculation_overrides(service, local):
+    plain = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                              extra_body={"speculative": {"num_speculative_tokens": 0}})
+    auto = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                             extra_body={"speculative": {"num_speculative_tokens": "auto"}})
+    expected = local.generate(PROMPT, sampling=SamplingParams(max_tokens=30)).text
+    assert plain.choices[0].text == auto.choices[0].text == expected
+    assert plain.model_extra["speculative"]["num_draft_tokens"] == 0
+    assert plain.model_extra["speculative"]["target_forwards"] == 30
+
+
+# ------------------------------------------------------------------------------------- chat
+
+def test_chat_completion_applies_the_chat_template(service, local):
+    messages = [{"role": "system", "content": "w40 w41"}, {"role": "user", "content": "w5 w6 w7"},
+                {"role": "assistant", "content": "w8"}, {"role": "user", "content": "w9 w10"}]
+    out = service.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    expected = local.generate(messages, chat=True, sampling=SamplingParams(max_tokens=30))
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.prompt_tokens == expected.prompt_tokens
+    stream = service.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
+                                                    temperature=0, stream=True,
+                                                    stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].model_extra["speculative"]["num_drafts"] > 0
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(service, local):
+    messages = [{"role": "user", "content": "w5 w6"}]
+    out = service.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == local.target.max_context
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+def test_eight_concurrent_requests_equal_sequential_ones(service):
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(3, 11)]
+    sequential = [service.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+                  .choices[0].text for p in prompts]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        stream = i % 2 == 0
+        out = service.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24, temperature=0,
+                                                stream=stream)
+        results[i] = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results.get(i) for i in range(8)] == sequential
+    assert service.wait_idle()["coordinator"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_request_everywhere(service):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{service.base}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+            busy = service.counts()
+            assert busy["coordinator"] == 1 and busy["shards"][0] >= 1  # in flight: a KV cache, a draft state
+    counts = service.wait_idle()
+    assert counts == {"coordinator": 0, "shards": [0], "draft": None}
+
+
+# -------------------------------------------------------------------------- models, health
+
+def test_models_lists_the_served_model_with_its_engine(service):
+    models = service.client.models.list()
+    (card,) = models.data
+    assert card.id == MODEL
+    info = card.model_extra["specdec"]
+    assert info["draft"] == service.draft and info["num_speculative_tokens"] == 4
+    assert info["tp_size"] == 1 and info["draft_placement"] == "colocated" and info["max_context"] == 512
+
+
+def test_health_needs_no_key_and_everything_else_does(service):
+    assert httpx.get(f"{service.base}/health").status_code == 200
+    missing = httpx.get(f"{service.base}/v1/models")
+    wrong = httpx.get(f"{service.base}/v1/models", headers={"Authorization": "Bearer nope"})
+    for r in (missing, wrong):
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{service.base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{service.base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+# ------------------------------------------------------------------------------ bad input
+
+BAD = [
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "top_p": 1.5}, "top_p"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "n": 0}, "n"),
+    ({"prompt": PROMPT, "n": 9}, "n"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": PROMPT, "max_tokens": 600}, "max_tokens"),
+    ({"prompt": [5, 6, 96]}, "prompt"),
+    ({"prompt": PROMPT, "model": "gpt-4o"}, "model"),
+    ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ({"prompt": PROMPT, "echo": True}, "echo"),
+    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ({"prompt": PROMPT, "frobnicate": 1}, "frobnicate"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": PROMPT, "stop": ""}, "stop"),
+    ({"prompt": PROMPT, "speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
+    ({"prompt": PROMPT, "speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
+    ({"prompt": PROMPT, "stream": True, "max_tokens": 600}, "max_tokens"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_completion_input_gets_a_400_naming_it(service, body, param):
+    r = _post(service, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert param.split(".")[-1] in error["message"] or param == "model", error
+
+
+CHAT_BAD = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "w5"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, param", CHAT_BAD, ids=[p for _, p in CHAT_BAD])
+def test_bad_chat_input_gets_a_400_naming_it(service, body, param):
+    r = _post(service, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_off_values_of_unsupported_parameters_are_accepted(service):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": None,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1, "user": "someone"}
+    assert _post(service, "/v1/completions", body).status_code == 200
+
+
+def test_malformed_requests_get_openai_errors_not_422_or_500(service):
+    cases = [
+        (httpx.post(f"{service.base}/v1/completions", content=b"{not json", headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}), 400, "JSON"),
+        (httpx.post(f"{service.base}/v1/completions", content=b"[1, 2]", headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}), 400, "JSON object"),
+        (httpx.get(f"{service.base}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}), 404, "no route"),
+        (httpx.get(f"{service.base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}), 405, "GET"),
+        (_post(service, "/v1/completions", {"prompt": "w5 " * 1_500_000}), 413, "larger than"),
+    ]
+    for r, status, words in cases:
+        assert r.status_code == status, r.text
+        assert words in r.json()["error"]["message"]
+    # The service keeps serving after all of that.
+    assert service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_openai_client_raises_bad_request_with_the_message(service):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        service.client.completions.create(model=MODEL, prompt=PROMPT, temperature=-0.5)
+
+
+# --------------------------------------------------------------------- overload and timeouts
+
+def test_overload_gets_503_with_retry_after_and_timeouts_408_and_free_everything(service):
+    long_body = {"prompt": "w5 w6", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    results: dict[str, httpx.Response] = {}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{service.base}/strict/v1/completions", json={**long_body, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))  # in flight now
+            queued = threading.Thread(target=lambda: results.update(
+                queued=httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)))
+            queued.start()
+            time.sleep(0.5)
+            rejected = httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)
+            rest = [line for line in lines if line.startswith("data: ")]
+        queued.join(timeout=60)
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    assert rejected.status_code == 503 and int(rejected.headers["Retry-After"]) >= 1
+    assert rejected.json()["error"]["code"] == "overloaded"
+    # The streaming request ran past the 3 s timeout: an error event ends it, not [DONE].
+    last = json.loads(rest[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "request_timeout" and "[DONE]" not in rest[-1]
+    assert results["queued"].status_code == 408
+    assert results["queued"].json()["error"]["type"] == "timeout_error"
+    assert service.wait_idle("strict") == {"coordinator": 0, "shards": [0], "draft": None}
+    # Once the load is gone, it serves normally.
+    ok = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 8}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
