@@ -58,6 +58,7 @@ class Coordinator:
         self._group_ready: asyncio.Event | None = None
         self._generation = 0  # bumped at every rebuild of the shard group
         self._active: set[str] = set()  # ids of the requests in flight
+        self._last_progress = time.monotonic()  # when a shard call last completed
         # Every call to an actor is submitted from this one thread (see `_detached`).
         self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-submit")
 
@@ -107,6 +108,18 @@ class Coordinator:
 
     async def cache_lengths(self, request_id: str) -> list:
         return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
+
+    async def check_health(self, stall_s: float = 60.0, timeout_s: float = 20.0) -> None:
+        """Raise if the engine is stuck or an actor is gone. Under load the shards are busy and a
+        ping would queue behind the forwards, so progress (a shard call completed within `stall_s`)
+        is the proof of life; idle, every actor must answer a ping within `timeout_s`."""
+        if self._active:
+            stalled = time.monotonic() - self._last_progress
+            if stalled > stall_s:
+                raise RuntimeError(f"no shard call completed for {stalled:.0f}s with {len(self._active)} requests "
+                                   "in flight")
+            return
+        await self.request_counts(timeout_s)
 
     async def request_counts(self, timeout_s: float = 10.0) -> dict:
         """Requests holding state, per place: here (in flight), on each shard (KV caches, and draft
@@ -260,7 +273,9 @@ class Coordinator:
 
     async def _await_shards(self, refs, generation, what):
         try:
-            return await asyncio.gather(*refs)
+            results = await asyncio.gather(*refs)
+            self._last_progress = time.monotonic()
+            return results
         except ray.exceptions.RayError as e:
             await self._rebuild(generation, f"{what} failed: {e.__class__.__name__}")
             raise TargetShardError(

@@ -61,8 +61,8 @@ class ModelServer:
         return await self.coordinator.request_counts()
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: every actor of the engine must answer."""
-        await self.coordinator.request_counts()
+        """Serve's periodic health check: the engine makes progress, or (idle) every actor answers."""
+        await self.coordinator.check_health()
 
     def __del__(self) -> None:
         coordinator = getattr(self, "coordinator", None)

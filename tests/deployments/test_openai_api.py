@@ -3,7 +3,7 @@ args, tiny models), driven over HTTP on 127.0.0.1 by the official `openai` clien
 
 Two apps share one Serve instance, built once for the module: `specdec` (a draft model, an API
 key) and `strict` at /strict (a 4096-token-context target, one request at a time, one queued, a
-3 s timeout) for overload and timeouts: its generations of thousands of tokens hold a request in
+5 s timeout) for overload and timeouts: its generations of thousands of tokens hold a request in
 flight without any hook in the server.
 """
 
@@ -82,7 +82,7 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
     serve.run(build_app(args), name="specdec", route_prefix="/")
     serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "threads": 1, "target_role": small,
                          "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
-                         "request_timeout_s": 3}), name="strict", route_prefix="/strict")
+                         "request_timeout_s": 5}), name="strict", route_prefix="/strict")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
     yield Service(base, client, str(tiny_chat_llama), str(tiny_chat_llama_draft))
@@ -378,21 +378,24 @@ def test_overload_gets_503_with_retry_after_and_timeouts_408_and_free_everything
         with client.stream("POST", f"{service.base}/strict/v1/completions", json={**long_body, "stream": True}) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))  # in flight now
-            queued = threading.Thread(target=lambda: results.update(
-                queued=httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)))
-            queued.start()
-            time.sleep(0.5)
-            rejected = httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)
+            second = threading.Thread(target=lambda: results.update(
+                second=httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)))
+            second.start()
+            time.sleep(1.0)  # the second request waits in the queue (the first holds the only slot)
+            results["third"] = httpx.post(f"{service.base}/strict/v1/completions", json=long_body, timeout=60)
             rest = [line for line in lines if line.startswith("data: ")]
-        queued.join(timeout=60)
+        second.join(timeout=60)
     assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
-    assert rejected.status_code == 503 and int(rejected.headers["Retry-After"]) >= 1
-    assert rejected.json()["error"]["code"] == "overloaded"
-    # The streaming request ran past the 3 s timeout: an error event ends it, not [DONE].
+    # One in flight and one queued is the bound: of the two others one was rejected, one waited.
+    statuses = sorted(r.status_code for r in results.values())
+    assert statuses == [408, 503], {k: r.text for k, r in results.items()}
+    rejected = next(r for r in results.values() if r.status_code == 503)
+    assert int(rejected.headers["Retry-After"]) >= 1 and rejected.json()["error"]["code"] == "overloaded"
+    timed_out = next(r for r in results.values() if r.status_code == 408)
+    assert timed_out.json()["error"]["type"] == "timeout_error"
+    # The streaming request ran past the 5 s timeout: an error event ends it, not [DONE].
     last = json.loads(rest[-1].removeprefix("data: "))
     assert last["error"]["code"] == "request_timeout" and "[DONE]" not in rest[-1]
-    assert results["queued"].status_code == 408
-    assert results["queued"].json()["error"]["type"] == "timeout_error"
     assert service.wait_idle("strict") == {"coordinator": 0, "shards": [0], "draft": None}
     # Once the load is gone, it serves normally.
     ok = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 8}, timeout=60)
