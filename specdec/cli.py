@@ -260,4 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m specdec.cli`: run the importable module's main, so the plugins' CliError (imported
+    # from specdec.cli) is the class main() catches, not a twin defined in __main__.
+    from specdec.cli import main as _main
+
+    sys.exit(_main())
