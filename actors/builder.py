@@ -38,8 +38,10 @@ _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "err
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
-               object_store_memory: int = 512 * 1024**2) -> None:
-    """Join `address` / $RAY_ADDRESS if given, else start a small local Ray (if none is running)."""
+               object_store_memory: int = 512 * 1024**2, metrics_export_port: int | None = None) -> None:
+    """Join `address` / $RAY_ADDRESS if given, else start a small local Ray (if none is running)
+    whose metrics agent exports on `metrics_export_port` (None: a free port) and whose workers
+    report metrics every `actors.metrics.REPORT_INTERVAL_MS`."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -47,8 +49,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
+        from actors.metrics import REPORT_INTERVAL_MS
+
         ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
-                 runtime_env=runtime_env, logging_level=logging.WARNING)
+                 runtime_env=runtime_env, logging_level=logging.WARNING, _metrics_export_port=metrics_export_port,
+                 _system_config={"metrics_report_interval_ms": REPORT_INTERVAL_MS})
+
+
+def metrics_export_port() -> int:
+    """The metrics export port of the node this process runs on (Ray's agent serves /metrics there)."""
+    return int(ray._private.worker.global_worker.node.metrics_export_port)
 
 
 def _role_options(role: RolePlacement) -> dict:

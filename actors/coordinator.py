@@ -22,6 +22,7 @@ group (and its process group) is rebuilt for the next request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ import ray
 
 from actors.builder import create_draft_worker, create_target_group, kill_target_group
 from actors.config import RayEngineConfig
+from actors.metrics import EngineMetrics, RequestMetrics, StepRecord
 from specdec.config import SamplingParams
 from specdec.models import check_same_vocabulary, load_tokenizer
 from specdec.prompt import Prompt, resolve_prompt
@@ -47,9 +49,20 @@ class TargetShardError(RuntimeError):
     """A target shard failed or died; the request cannot complete (the group is being rebuilt)."""
 
 
+class RequestTimeout(TimeoutError):
+    """The request ran past its `timeout_s`; it was stopped at a step boundary and its caches freed."""
+
+
+#: A request cancelled within this many seconds of its deadline counts as a timeout, not a
+#: cancellation (the caller enforcing the same deadline cancels it first).
+_DEADLINE_SLACK_S = 1.0
+
+
 class Coordinator:
-    def __init__(self, config: RayEngineConfig) -> None:
+    def __init__(self, config: RayEngineConfig, model_name: str | None = None, replica: str = "0") -> None:
+        """`model_name` and `replica` label this engine's metrics (`actors/metrics.py`)."""
         self.config = config
+        self.metrics = EngineMetrics(model_name or _model_name(config.engine.target), replica, config.engine.k_max)
         self.tokenizer = None
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
         self.group = None  # actors.builder.TargetGroup
@@ -137,20 +150,46 @@ class Coordinator:
     async def generate_stream(self, prompt: Prompt | None = None, prompt_token_ids: Sequence[int] | None = None,
                               sampling: SamplingParams | None = None, chat: bool = False,
                               request_id: str | None = None, num_speculative_tokens: int | str | None = None,
-                              pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
+                              pipeline: bool | None = None, timeout_s: float | None = None
+                              ) -> AsyncIterator[StreamChunk]:
         """`prompt` is text, or with `chat` a list of {"role", "content"} messages (or pass the ids);
         `num_speculative_tokens` (an int, "auto", or 0 for target-only) and `pipeline` override the
-        engine's settings for this request."""
+        engine's settings for this request. Past `timeout_s` the request raises `RequestTimeout` at
+        its next step."""
         sampling = sampling or SamplingParams()
         policy = make_policy(self.config.engine, self.costs, num_speculative_tokens, has_draft=self.has_draft)
         # Pipelining needs a draft in a process of its own; a colocated draft ignores the request.
         pipeline = self.config.pipeline if pipeline is None else (pipeline and self.draft is not None)
         ids, sampling = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling,
                                        self.info["vocab_size"], self.info["max_context"], self.config.engine.target)
-        await self._group_ready.wait()
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        record = self.metrics.arrived(request_id)
+        finish_reason = None
+        try:
+            await self._group_ready.wait()
+            if request_id in self._active:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            record.started()
+            steps = self._run(request_id, ids, sampling, policy, pipeline, deadline, record)
+            async with contextlib.aclosing(steps):  # a closed stream frees the caches now, not at GC
+                async for chunk in steps:
+                    finish_reason = chunk.finish_reason
+                    yield chunk
+        except RequestTimeout:
+            finish_reason = "timeout"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if finish_reason is None:  # closed after its last chunk: it finished
+                late = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S
+                finish_reason = "timeout" if late else "cancelled"
+            raise
+        finally:
+            record.finished(finish_reason or "error")
+
+    async def _run(self, request_id, ids, sampling, policy, pipeline, deadline, record: RequestMetrics):
         group, generation = self.group, self._generation
         seq = GenSequence(ids, sampling, self.tokenizer, frozenset(self.info["eos_token_ids"]))
         draft_ok = self.has_draft
@@ -159,10 +198,14 @@ class Coordinator:
             if len(ids) > 1:
                 await self._forward(group, generation, request_id, ids[:-1], 1, 0, greedy=True)
             seq.prefill_seconds = time.perf_counter() - seq.started
+            record.prefilled(len(ids), len(ids) - 1)
             pending: Proposal | None = None
             while not seq.finished:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RequestTimeout(f"request {request_id} ran past its timeout after "
+                                         f"{seq.num_output_tokens} tokens")
                 chunk, pending, draft_ok = await self._step(request_id, seq, policy, group, generation, pending,
-                                                            draft_ok, pipeline)
+                                                            draft_ok, pipeline, record)
                 if seq.finished:
                     chunk.output = seq.output()
                 yield chunk
@@ -170,9 +213,11 @@ class Coordinator:
             self._active.discard(request_id)
             await self._release(group, request_id)
 
-    async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok, pipeline):
+    async def _step(self, request_id, seq: GenSequence, policy, group, generation, pending, draft_ok, pipeline,
+                    record: RequestMetrics):
         sampling = seq.sampling
         k = seq.clamp_k(policy.next_k(), self.info["max_context"]) if draft_ok else 0
+        failures = seq.stats.draft_failures
         t0 = time.perf_counter()
         proposal, drafted = Proposal([]), False
         drafter = self._drafter(group) if draft_ok else None
@@ -204,10 +249,19 @@ class Coordinator:
 
             result = verify_sampled(proposal.token_ids, proposal.probs, logits_to_probs(target_out, sampling),
                                     seq.verify_generator)
+        cached = len(seq.token_ids) - 1 + len(inputs)  # target cache after the verify forward
         chunk = seq.commit(result.token_ids)
         chunk.num_proposed = len(proposal)
         if not seq.finished:
             chunk.cache_lengths = await self._rewind(group, generation, request_id, len(seq.token_ids) - 1)
+        step = StepRecord(k=k, num_proposed=len(proposal), num_accepted=result.num_accepted,
+                          num_committed=len(chunk.token_ids), verify_seconds=t2 - t1,
+                          draft_seconds=t1 - t0 if drafted else None)
+        if chunk.cache_lengths:
+            step.target_cache_tokens = chunk.cache_lengths[0]
+            step.target_rewound_tokens = cached - chunk.cache_lengths[0]
+        if drafted:
+            step.draft_rewound_tokens, step.draft_cache_tokens = proposal.rewound_tokens, proposal.cache_tokens
         next_pending = None
         if predraft is not None:
             if result.all_accepted and not seq.finished:
@@ -216,6 +270,8 @@ class Coordinator:
                 except ray.exceptions.RayError as e:
                     draft_ok = self._draft_failed(seq, e)
                 else:
+                    step.draft_rewound_tokens += early.rewound_tokens
+                    step.draft_cache_tokens = early.cache_tokens
                     if early.token_ids and early.token_ids[0] == result.token_ids[-1]:
                         next_pending = Proposal(early.token_ids[1:],
                                                 early.probs[1:] if early.probs is not None else None)
@@ -223,6 +279,9 @@ class Coordinator:
                 seq.stats.pipeline_hits += 1
             else:
                 seq.stats.pipeline_misses += 1
+            step.pipeline_hit = next_pending is not None
+        step.draft_failures = seq.stats.draft_failures - failures
+        record.step(step)
         t3 = time.perf_counter()
         seq.record_step(len(proposal), result.num_accepted, proposal.num_forwards, t1 - t0, t2 - t1)
         policy.observe(len(proposal), result.num_accepted)
@@ -313,6 +372,13 @@ def _truncate(proposal: Proposal, k: int) -> Proposal:
         return proposal
     probs = proposal.probs[:k] if proposal.probs is not None else None
     return Proposal(proposal.token_ids[:k], probs)
+
+
+def _model_name(target: str) -> str:
+    """A target spec's short name (a preset's name, a directory's or file's base name)."""
+    import os
+
+    return os.path.basename(os.path.normpath(target)) or target
 
 
 def _first_line(error: Exception) -> str:

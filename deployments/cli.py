@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -51,6 +52,11 @@ def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
     h.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request still running after this fails with 408 and is cancelled [default: 600]")
     h.add_argument("--max-n", type=int, default=8, help="largest n × prompts per request [default: 8]")
+    m = p.add_argument_group("metrics")
+    m.add_argument("--metrics-port", type=int, default=8080, metavar="PORT",
+                   help="the local Ray's metrics export port: Prometheus scrapes the engine's specdec_* metrics "
+                        "(and Ray's and Serve's) at http://HOST:PORT/metrics (monitoring/prometheus.yml); a "
+                        "joined cluster keeps its own [default: 8080]")
     p.set_defaults(func=cmd_serve)
 
 
@@ -76,8 +82,11 @@ def options_from_args(args: argparse.Namespace):
         name = {"request_timeout_s": "--request-timeout", "pipeline": "--no-pipeline"}.get(
             field, "--" + field.replace("_", "-")) if field else "options"
         raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
-    if not 1 <= args.port <= 65535:
-        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not 1 <= port <= 65535:
+            raise CliError(f"{flag} must be in 1..65535, got {port}")
+    if args.metrics_port == args.port:
+        raise CliError(f"--metrics-port and --port are both {args.port}; give them different ports")
     return options
 
 
@@ -93,12 +102,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from actors.builder import ensure_ray, prepare_models
+    from actors.builder import ensure_ray, metrics_export_port, prepare_models
     from deployments.builder import build_app
 
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        _check_metrics_exportable(args.metrics_port)  # before the (slow) model pulls
     prepare_models(options.ray_engine_config())  # pulls presets here, with progress bars
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines drown the ready line
-    ensure_ray(args.ray_address)
+    ensure_ray(address, metrics_export_port=args.metrics_port)
+    metrics_url = f"http://{_display_host(args.host) if not address else _node_ip()}:{metrics_export_port()}/metrics"
+    if address and metrics_export_port() != args.metrics_port:
+        _say(f"joined a Ray cluster: its metrics export port is {metrics_export_port()} (--metrics-port applies to "
+             "a local Ray only)")
     stop = _install_signal_handlers()  # after ray.init, which installs handlers of its own
     try:
         serve.start(http_options={"host": args.host, "port": args.port},
@@ -114,13 +130,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         base = f"http://{_display_host(args.host)}:{args.port}"
         try:
             _wait_healthy(base)
+            _wait_metrics(metrics_url)
         except RuntimeError as e:
             _say(f"error: {e}")
             return 1
         stop.serving = True
         _say(f"ready in {time.monotonic() - started:.1f}s: {base}/v1 (model {options.served_model_name!r}"
-             f"{', API key required' if options.api_key else ''}); Ctrl-C to stop")
+             f"{', API key required' if options.api_key else ''}), metrics at {metrics_url}; Ctrl-C to stop")
         print(f"{base}/v1", flush=True)
+        print(metrics_url, flush=True)
         while not stop.wait(1.0):
             pass
         _say("shutting down")
@@ -167,6 +185,52 @@ def _wait_healthy(base: str, timeout_s: float = 300.0) -> None:
             last = str(e)
         time.sleep(0.5)
     raise RuntimeError(f"{base}/health did not answer 200 within {timeout_s:.0f}s: {last}")
+
+
+def _check_metrics_exportable(port: int) -> None:
+    """A local Ray must be able to export metrics: fail now, naming what is missing."""
+    import socket
+
+    from ray._private.utils import get_dashboard_dependency_error
+
+    from specdec.cli import CliError
+
+    missing = get_dashboard_dependency_error()
+    if missing is not None:
+        raise CliError(f"Ray's metrics agent cannot export metrics with this Ray install ({missing}); "
+                       "install Ray's default components: pip install 'ray[serve]'")
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            raise CliError(f"--metrics-port {port} is not free ({e.strerror}); another Ray or specdec serve may "
+                           "hold it: pick another port") from None
+
+
+def _wait_metrics(url: str, timeout_s: float = 60.0) -> None:
+    """Ray's metrics agent starts after the node; wait until it serves the exposition."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=10)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = str(e) or e.__class__.__name__
+        time.sleep(0.5)
+    raise RuntimeError(f"Ray's metrics agent is not exporting at {url} after {timeout_s:.0f}s ({last}): the "
+                       "engine's metrics would reach no Prometheus. Check the agent's log "
+                       "(/tmp/ray/session_latest/logs/dashboard_agent.log)")
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _display_host(host: str) -> str:

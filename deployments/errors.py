@@ -61,6 +61,9 @@ def error_from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
     if isinstance(cause, (DeploymentUnavailableError, ray_exceptions.RayActorError)):
         return APIError(503, f"the model replica is unavailable ({cause.__class__.__name__}); retry later",
                         code="engine_unavailable", retry_after=retry_after)
+    if isinstance(cause, TimeoutError):
+        return APIError(408, "the request ran past this server's request timeout and was cancelled",
+                        type="timeout_error", code="request_timeout")
     if isinstance(cause, ValueError):
         message = str(cause)
         return APIError(400, message, param=_param_of(message))

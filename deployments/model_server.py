@@ -33,7 +33,7 @@ class ModelServer:
         self.options = options
         self.config = options.ray_engine_config()
         prepare_models(self.config)
-        self.coordinator = Coordinator(self.config)
+        self.coordinator = Coordinator(self.config, model_name=options.served_model_name, replica=_replica_id())
         try:
             self.info = await self.coordinator.start()
         except BaseException:
@@ -43,9 +43,9 @@ class ModelServer:
 
     async def generate(self, request_id: str, sampling: SamplingParams, prompt=None, prompt_token_ids=None,
                        chat: bool = False, num_speculative_tokens: int | str | None = None,
-                       pipeline: bool | None = None) -> AsyncIterator[StreamChunk]:
+                       pipeline: bool | None = None, timeout_s: float | None = None) -> AsyncIterator[StreamChunk]:
         stream = self.coordinator.generate_stream(prompt, prompt_token_ids, sampling, chat, request_id,
-                                                  num_speculative_tokens, pipeline)
+                                                  num_speculative_tokens, pipeline, timeout_s)
         async with contextlib.aclosing(stream):  # a cancelled or closed stream frees the request at once
             async for chunk in stream:
                 yield chunk
@@ -68,3 +68,13 @@ class ModelServer:
         coordinator = getattr(self, "coordinator", None)
         if coordinator is not None:
             coordinator.shutdown()
+
+
+def _replica_id() -> str:
+    """This Serve replica's id (the `replica` label of its metrics); "0" outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica (tests build the class directly)
+        return "0"

@@ -137,7 +137,8 @@ class OpenAIRouter:
         for p, prompt in enumerate(prompts):
             for j in range(body.n):
                 index = p * body.n + j
-                choices.append(Choice(index, p, self._open(f"{response_id}-{index}", body, index, prompt)))
+                choices.append(Choice(index, p, self._open(f"{response_id}-{index}", body, index, prompt,
+                                                           deadline - time.monotonic())))
         try:
             firsts = await _until(deadline, asyncio.gather(*[_next(c.stream) for c in choices]))
         except BaseException:
@@ -164,9 +165,11 @@ class OpenAIRouter:
             raise APIError(400, f"speculative.num_speculative_tokens is {k}; this server allows at most "
                                 f"{self.options.max_k} (its max_k)", param="speculative.num_speculative_tokens")
 
-    def _open(self, request_id: str, body: SamplingRequest, index: int, prompt: dict):
+    def _open(self, request_id: str, body: SamplingRequest, index: int, prompt: dict, timeout_s: float):
+        """The engine stops the choice at this deadline too (and counts it as a timeout)."""
         return self.model.options(stream=True).generate.remote(
-            request_id=request_id, sampling=body.sampling(index), **prompt, **body.speculation())
+            request_id=request_id, sampling=body.sampling(index), timeout_s=timeout_s, **prompt,
+            **body.speculation())
 
     def _response(self, body, choices: list[Choice], response_id: str, chat: bool):
         outputs = [c.output for c in choices]

@@ -25,6 +25,10 @@ class Proposal:
     num_forwards: int = 0  # draft model forward passes it took
     num_catchup_tokens: int = 0  # committed tokens the draft had not seen yet, fed in the first forward
     seconds: float | None = None  # time it took where it ran (set by remote draft workers; None: not timed)
+    # The draft's KV cache: tokens dropped before drafting (rejected proposals, an unused pre-drafted
+    # block) and tokens held after it (None: the proposer keeps no cache, e.g. n-gram lookup).
+    rewound_tokens: int = 0
+    cache_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -38,14 +38,15 @@ class DraftModelProposer:
         generator: torch.Generator,
     ) -> Proposal:
         cache = state
-        cache.rewind_to_prefix_of(context_token_ids)
+        held = len(cache)
+        rewound = held - cache.rewind_to_prefix_of(context_token_ids)
         if len(cache) == len(context_token_ids):
             # The last committed token must be fed to get the next distribution.
             cache.rewind(len(cache) - 1)
         # Stay inside the draft's context (the target's may be longer).
         num_tokens = min(num_tokens, self.runner.max_context - len(context_token_ids))
         if num_tokens <= 0:
-            return Proposal([])
+            return Proposal([], rewound_tokens=rewound, cache_tokens=len(cache))
         new_token_ids = list(context_token_ids[len(cache) :])
         num_catchup = len(new_token_ids) - 1
         token_ids: list[int] = []
@@ -61,7 +62,8 @@ class DraftModelProposer:
             token_ids.append(token)
             new_token_ids = [token]
         probs = torch.stack(rows) if rows else None  # [num_tokens, vocab]
-        return Proposal(token_ids, probs, num_forwards=num_tokens, num_catchup_tokens=num_catchup)
+        return Proposal(token_ids, probs, num_forwards=num_tokens, num_catchup_tokens=num_catchup,
+                        rewound_tokens=rewound, cache_tokens=len(cache))
 
     def rewind(self, state: KVCache, context_token_ids: Sequence[int]) -> None:
         state.rewind_to_prefix_of(context_token_ids)

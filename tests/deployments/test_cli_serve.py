@@ -1,29 +1,45 @@
-"""`specdec serve` as a user runs it: a subprocess that starts its own Ray and Serve, prints the base
-URL once /health is 200, answers the `openai` client, and shuts everything down on SIGTERM."""
+"""`specdec serve` as a user runs it, and its metrics in a real Prometheus.
+
+One `specdec serve` subprocess for the module (tiny target, a tiny draft model in its own actor so
+pipelining runs, two replicas, a fixed metrics port): it prints the API and metrics URLs once
+/health is 200, answers the `openai` client, exports the engine's metrics through Ray's metrics
+agent, and shuts everything down on SIGTERM (the module's last test). A real Prometheus (Debian's
+`prometheus`, installed as the README says) scrapes it with monitoring/prometheus.yml, and every
+query of every panel of monitoring/grafana/specdec.json must return data.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import queue
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECDEC = str(Path(sys.executable).with_name("specdec"))  # the console script, as a user runs it
+KEY = "secret"
+MODEL = "tiny"
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-SPECDEC = str(Path(sys.executable).with_name("specdec"))  # the console script, as a user runs it
 
 
 def _serve(*args: str) -> subprocess.Popen:
@@ -39,40 +55,261 @@ def _read_line(stream, timeout_s: float) -> str | None:
         return None
 
 
-def test_specdec_serve_starts_answers_and_stops_on_sigterm(tiny_chat_llama):
-    port = _free_port()
-    proc = _serve("--target", str(tiny_chat_llama), "--draft", "ngram", "--port", str(port), "--threads", "1",
-                  "--api-key", "secret", "--served-model-name", "tiny", "--replicas", "2")
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    base: str  # the API base URL it printed
+    metrics_url: str  # the metrics URL it printed
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_llama, tiny_chat_llama_draft):
+    port, metrics_port = _free_port(), _free_port()
+    proc = _serve("--target", str(tiny_chat_llama), "--draft", str(tiny_chat_llama_draft), "--draft-placement",
+                  "separate", "--port", str(port), "--metrics-port", str(metrics_port), "--threads", "1",
+                  "--api-key", KEY, "--served-model-name", MODEL, "--replicas", "2")
     try:
-        line = _read_line(proc.stdout, timeout_s=240)
-        assert line is not None and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
-        assert line.strip() == f"http://127.0.0.1:{port}/v1"
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        client = openai.OpenAI(base_url=line.strip(), api_key="secret", max_retries=0)
-        assert client.models.list().data[0].model_extra["specdec"]["replicas"] == 2
-        outs = [None] * 4
-
-        def run(i):
-            outs[i] = client.completions.create(model="tiny", prompt="w5 w6 w7 w5 w6 w7 w5", max_tokens=16,
-                                                temperature=0)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert len({o.choices[0].text for o in outs}) == 1  # both engines give the same greedy text
-        assert all(o.usage.completion_tokens == 16 and "speculative" in o.model_extra for o in outs)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        err = proc.stderr.read()
-        assert "ready in" in err and "shutting down" in err
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        base = _read_line(proc.stdout, timeout_s=300)
+        assert base is not None and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "slow"
+        metrics_url = _read_line(proc.stdout, timeout_s=10)
+        yield Server(proc, port, base.strip(), (metrics_url or "").strip())
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_specdec_serve_prints_its_urls_and_answers_the_openai_client(server):
+    assert server.base == f"http://127.0.0.1:{server.port}/v1"
+    assert server.metrics_url.startswith("http://127.0.0.1:") and server.metrics_url.endswith("/metrics")
+    assert httpx.get(f"http://127.0.0.1:{server.port}/health").status_code == 200
+    client = server.client
+    assert client.models.list().data[0].model_extra["specdec"]["replicas"] == 2
+    outs = [None] * 4
+
+    def run(i):
+        outs[i] = client.completions.create(model=MODEL, prompt="w5 w6 w7 w5 w6 w7 w5", max_tokens=16,
+                                            temperature=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len({o.choices[0].text for o in outs}) == 1  # both engines give the same greedy text
+    assert all(o.usage.completion_tokens == 16 and "speculative" in o.model_extra for o in outs)
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+#: Counters whose deltas must equal the sums over the responses (the `speculative` objects, usage).
+CHECKED = {"ray_specdec_num_accepted_tokens": "num_accepted_tokens", "ray_specdec_num_draft_tokens":
+           "num_draft_tokens", "ray_specdec_num_drafts": "num_drafts", "ray_specdec_generation_tokens": None,
+           "ray_specdec_pipeline_hits": "pipeline_hits", "ray_specdec_pipeline_misses": "pipeline_misses"}
+
+
+def _totals(metrics_url: str) -> dict[str, float]:
+    """The checked counters, summed over every series (replicas, Ray's worker labels)."""
+    totals = dict.fromkeys(CHECKED, 0.0)
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        if family.name in totals:
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+def _stable_totals(metrics_url: str, quiet_s: float = 5.0, timeout_s: float = 60.0) -> dict[str, float]:
+    """The totals once they stop moving (workers report every 2 s): the baseline before traffic."""
+    last, since, deadline = _totals(metrics_url), time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        now = _totals(metrics_url)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+    raise AssertionError(f"metrics kept moving with no traffic: {last}")
+
+
+def _traffic(client: openai.OpenAI) -> dict[str, float]:
+    """Greedy and sampled requests, streaming and not, several choices: the expected deltas."""
+    expected = dict.fromkeys(CHECKED, 0.0)
+
+    def add(speculative: dict, completion_tokens: int) -> None:
+        for metric, field in CHECKED.items():
+            expected[metric] += completion_tokens if field is None else speculative[field]
+
+    for temperature, seed in ((0.0, None), (1.0, 7), (1.0, 8)):
+        out = client.completions.create(model=MODEL, prompt=["w5 w6 w7 w5 w6 w7 w5", "w9 w10 w11 w9 w10"],
+                                        max_tokens=24, temperature=temperature, seed=seed, n=2)
+        add(out.model_extra["speculative"], out.usage.completion_tokens)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3 w4 w3 w4"}],
+                                            max_tokens=20, temperature=0.8, seed=3, stream=True,
+                                            stream_options={"include_usage": True})
+    last = None
+    for last in stream:
+        pass
+    add(last.model_extra["speculative"], last.usage.completion_tokens)
+    return expected
+
+
+class Prometheus:
+    def __init__(self, tmp_path: Path, metrics_url: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+        config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+        job = config["scrape_configs"][0]
+        job["static_configs"][0]["targets"] = [metrics_url.removeprefix("http://").removesuffix("/metrics")]
+        self.config = tmp_path / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={self.config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def query(self, expr: str) -> list:
+        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+        return body["data"]["result"]
+
+    def wait_for(self, expr: str, want=lambda v: True, timeout_s: float = 60.0) -> float:
+        """Poll until `expr` (one sample) satisfies `want`; its value."""
+        deadline, value = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            try:
+                result = self.query(expr)
+            except httpx.HTTPError:
+                result = []
+            if result:
+                value = float(result[0]["value"][1])
+                if want(value):
+                    return value
+            time.sleep(0.5)
+        raise AssertionError(f"Prometheus: {expr} is {value} after {timeout_s}s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _promtool_check_metrics(exposition: str) -> tuple[int, str]:
+    lint = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, text=True)
+    return lint.returncode, lint.stdout + lint.stderr
+
+
+def _ours_with_snake_case_ray_labels(exposition: str) -> str:
+    """The specdec families, with the labels Ray adds to every metric (WorkerId, SessionName, ...)
+    renamed to snake_case: promtool's lint rejects Ray's camelCase label names on every Ray
+    exposition (Ray's own metrics have further lint problems), and everything else must pass."""
+    ours = [line for line in exposition.splitlines()
+            if line.startswith(("ray_specdec_", "# HELP ray_specdec_", "# TYPE ray_specdec_"))]
+    snake = lambda m: m.group(1) + re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(2)).lower() + "="  # noqa: E731
+    return "\n".join(re.sub(r"([{,])([A-Z][A-Za-z]*)=", snake, line) for line in ours) + "\n"
+
+
+def test_promtool_lint_catches_a_bad_metric_name():
+    """The negative control of the lint check: a counter without `_total`, an abbreviated unit."""
+    rc, problems = _promtool_check_metrics(_ours_with_snake_case_ray_labels(
+        '# HELP ray_specdec_latency_ms x\n# TYPE ray_specdec_latency_ms counter\n'
+        'ray_specdec_latency_ms{WorkerId="1"} 1\n'))
+    assert rc == 3 and "ray_specdec_latency_ms" in problems and "camelCase" not in problems
+
+
+def _panel_queries(dashboard: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def _as_promql(expr: str) -> str:
+    """Grafana's variables as Grafana sends them: "All" is the variables' allValue, .*"""
+    return (expr.replace("$model", ".*").replace("$replica", ".*")
+            .replace("$__rate_interval", "5m").replace("$__range", "5m"))
+
+
+def _finite(result: list) -> bool:
+    return any(math.isfinite(float(s["value"][1])) for s in result)
+
+
+@pytest.fixture(scope="module")
+def prometheus_bin():
+    missing = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
+    assert not missing, f"{' and '.join(missing)} not found: install Prometheus as the README says " \
+                        "(apt-get install -y prometheus)"
+
+
+def test_every_dashboard_query_is_live_in_a_real_prometheus(server, prometheus_bin, tmp_path):
+    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "specdec.json").read_text())
+    queries = _panel_queries(dashboard)
+    assert len(queries) >= 20
+    assert subprocess.run(["promtool", "check", "config", str(ROOT / "monitoring" / "prometheus.yml")],
+                          capture_output=True).returncode == 0
+
+    prom = Prometheus(tmp_path, server.metrics_url)
+    try:
+        assert subprocess.run(["promtool", "check", "config", str(prom.config)], capture_output=True,
+                              text=True).returncode == 0
+        prom.wait_for('up{job="specdec"}', lambda v: v == 1)
+        before = _stable_totals(server.metrics_url)
+        prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == before["ray_specdec_num_draft_tokens"])
+
+        # Two waves, each scraped: every rate() window sees the counters and histograms move.
+        expected = _traffic(server.client)
+        first = before["ray_specdec_num_draft_tokens"] + expected["ray_specdec_num_draft_tokens"]
+        prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == first)
+        for metric, value in _traffic(server.client).items():
+            expected[metric] += value
+        assert expected["ray_specdec_num_accepted_tokens"] < expected["ray_specdec_num_draft_tokens"]  # rejections
+        assert expected["ray_specdec_pipeline_hits"] > 0 and expected["ray_specdec_pipeline_misses"] > 0
+
+        # The counters' deltas are the sums over the responses, on the agent's exposition...
+        want = {m: before[m] + expected[m] for m in CHECKED}
+        deadline = time.monotonic() + 60
+        while (now := _totals(server.metrics_url)) != want and time.monotonic() < deadline:
+            time.sleep(1)
+        assert now == want
+        exposition = httpx.get(server.metrics_url, timeout=10).text
+        rc, problems = _promtool_check_metrics(exposition)
+        assert rc in (0, 3), problems  # it parses (1: a parse error); 3: lint problems, Ray's own (below)
+        rc, problems = _promtool_check_metrics(_ours_with_snake_case_ray_labels(exposition))
+        assert rc == 0, problems
+        # ... and in Prometheus.
+        for metric, value in want.items():
+            prom.wait_for(f"sum({metric}_total)", lambda v, value=value: v == value)
+        replicas = httpx.get(f"{prom.url}/api/v1/label/replica/values",
+                             params={"match[]": "ray_specdec_requests_total"}).json()["data"]
+        assert len(replicas) == 2
+        assert httpx.get(f"{prom.url}/api/v1/label/model_name/values",
+                         params={"match[]": "ray_specdec_requests_total"}).json()["data"] == [MODEL]
+
+        empty = []
+        for title, expr in queries:
+            result = prom.query(_as_promql(expr))
+            if not _finite(result):
+                empty.append(f"{title}: {expr} -> {result}")
+        assert not empty, "panels without data:\n" + "\n".join(empty)
+
+        acceptance = prom.query(_as_promql(queries[0][1]))[0]["value"][1]
+        assert 0 < float(acceptance) < 1
+    finally:
+        prom.stop()
+
+
+def test_specdec_serve_stops_on_sigterm(server):
+    proc = server.proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    err = proc.stderr.read()
+    assert "ready in" in err and "shutting down" in err and server.metrics_url in err
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -80,13 +317,36 @@ def test_specdec_serve_starts_answers_and_stops_on_sigterm(tiny_chat_llama):
     (["--k", "0"], "--k"),
     (["--tp", "0"], "--tp"),
     (["--port", "70000"], "--port"),
+    (["--metrics-port", "0"], "--metrics-port"),
+    (["--port", "8000", "--metrics-port", "8000"], "--metrics-port"),
     (["--replicas", "0"], "--replicas"),
     (["--request-timeout", "0"], "--request-timeout"),
 ])
-def test_specdec_serve_rejects_bad_options_with_exit_2(tiny_chat_llama, args, words):
-    base = ["--target", str(tiny_chat_llama), "--draft", "ngram"]
-    started = time.monotonic()
-    proc = subprocess.run([SPECDEC, "serve", *base, *args], capture_output=True, text=True, timeout=120)
+def test_specdec_serve_rejects_bad_options_with_exit_2(tiny_chat_llama, args, words, capsys):
+    """In process, as the console script runs main() (the test below runs the script itself); each
+    fails in validation, before Ray or any model is touched."""
+    from specdec.cli import main
+
+    assert main(["serve", "--target", str(tiny_chat_llama), "--draft", "ngram", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_specdec_serve_refuses_a_metrics_port_in_use(tiny_chat_llama):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run([SPECDEC, "serve", "--target", str(tiny_chat_llama), "--draft", "ngram",
+                               "--metrics-port", str(port)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert words in proc.stderr
-    assert time.monotonic() - started < 60  # fails before starting Ray
+    assert f"--metrics-port {port} is not free" in proc.stderr
+    assert time.monotonic() - started < 60  # before starting Ray
+
+
+def test_a_metrics_agent_that_never_answers_fails_the_start_with_a_clear_message():
+    from deployments.cli import _wait_metrics
+
+    url = f"http://127.0.0.1:{_free_port()}/metrics"  # nothing listens there
+    with pytest.raises(RuntimeError, match="Ray's metrics agent is not exporting at " + re.escape(url)):
+        _wait_metrics(url, timeout_s=1.5)

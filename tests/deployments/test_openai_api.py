@@ -400,3 +400,53 @@ def test_overload_gets_503_with_retry_after_and_timeouts_408_and_free_everything
     # Once the load is gone, it serves normally.
     ok = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 8}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+def _requests_by_reason(model: str) -> dict[str, float]:
+    """ray_specdec_requests_total of one served model, by finish_reason, from this node's Ray agent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.builder import metrics_export_port
+
+    text = httpx.get(f"http://127.0.0.1:{metrics_export_port()}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ray_specdec_requests":
+            for s in family.samples:
+                if s.name.endswith("_total") and s.labels["model_name"] == model:
+                    counts[s.labels["finish_reason"]] = counts.get(s.labels["finish_reason"], 0) + s.value
+    return counts
+
+
+def _wait_counts(model: str, want: dict[str, float], timeout_s: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = _requests_by_reason(model)
+        if all(counts.get(r, 0) >= n for r, n in want.items()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.5)
+
+
+def test_finish_reasons_count_timeouts_disconnects_and_completions(service):
+    long_before, tiny_before = _requests_by_reason("long"), _requests_by_reason(MODEL)
+    # A request past the strict app's 5 s timeout: a timeout, not a cancellation.
+    r = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 4000,
+                                                                 "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 408
+    # A client that goes away mid-stream: cancelled. One that reads to the end: length.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{service.base}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {KEY}"}) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: "))
+    service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    service.wait_idle()
+    long_after = _wait_counts("long", {"timeout": long_before.get("timeout", 0) + 1})
+    tiny_after = _wait_counts(MODEL, {"cancelled": tiny_before.get("cancelled", 0) + 1,
+                                      "length": tiny_before.get("length", 0) + 1})
+    delta = lambda after, before: {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}  # noqa: E731
+    assert delta(long_after, long_before) == {"timeout": 1}
+    assert delta(tiny_after, tiny_before) == {"cancelled": 1, "length": 1}

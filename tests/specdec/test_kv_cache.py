@@ -70,3 +70,17 @@ def test_draft_catches_up_without_recompute(runner):
     fresh = runner.new_cache()
     runner.forward(fresh, committed + proposal2.token_ids[:1])
     assert_caches_close(state, fresh)
+
+
+def test_draft_proposal_reports_the_tokens_its_rewind_dropped(runner):
+    """What the draft's cache dropped (rejected proposals) and holds: the draft's KV metrics."""
+    proposer = DraftModelProposer(runner)
+    state, greedy = proposer.new_state(), SamplingParams(temperature=0.0)
+    context = [4, 8, 15, 16]
+    first = proposer.propose(state, context, 4, greedy, make_generator(0, "draft"))
+    assert first.rewound_tokens == 0 and first.cache_tokens == len(context) + 3  # the last proposal is not fed
+    # The target accepted two proposals and repaired the third: the cache drops the third.
+    repaired = (first.token_ids[2] + 1) % 96
+    second = proposer.propose(state, context + first.token_ids[:2] + [repaired], 4, greedy,
+                              make_generator(0, "draft"))
+    assert second.rewound_tokens == 1 and second.cache_tokens == len(context) + 3 + 3

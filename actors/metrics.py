@@ -1,0 +1,282 @@
+"""The engine's Prometheus metrics: each one defined once here, recorded through Ray's metrics API.
+
+Ray's per-node metrics agent exports them in Prometheus format on the node's metrics export port
+(`specdec serve --metrics-port`, default 8080; `ray start --metrics-export-port` on a cluster), next
+to Ray's and Serve's own, with Ray's `ray_` prefix and a `_total` suffix on counters:
+`ray_specdec_num_accepted_tokens_total`. Ray writes a Prometheus file-service-discovery file
+listing every node (`/tmp/ray/prom_metrics_service_discovery.json` on the head node), so a cluster
+needs no ports of ours. No actor serves HTTP.
+
+The coordinator records them at request-level events only (`RequestMetrics.prefilled`, `.step`,
+`.finished`), from what each step already returns (the proposal, the verification result, the
+committed chunk), so a change to the loop keeps one recording point. The counters are the sums of
+the `speculative` objects the clients get (`specdec/stats.py` defines the words), so:
+
+    acceptance rate          sum(rate(ray_specdec_num_accepted_tokens_total[5m]))
+                               / sum(rate(ray_specdec_num_draft_tokens_total[5m]))
+    mean accepted length     1 + sum(rate(ray_specdec_num_accepted_tokens_total[5m]))
+                               / sum(rate(ray_specdec_num_drafts_total[5m]))
+    acceptance by position   sum by (position) (rate(ray_specdec_num_accepted_tokens_per_pos_total[5m]))
+                               / ignoring(position) group_left sum(rate(ray_specdec_num_drafts_total[5m]))
+    tokens per target forward  sum(rate(ray_specdec_generation_tokens_total[5m]))
+                               / sum(rate(ray_specdec_target_forwards_total[5m]))
+    p99 time to first token  histogram_quantile(0.99,
+                               sum by (le) (rate(ray_specdec_time_to_first_token_seconds_bucket[5m])))
+
+(the same as vLLM's spec-decode metrics: `num_drafts` counts verify steps that checked at least one
+draft token; mean accepted length counts the recovered or bonus token of each step).
+
+Labels: `model_name` (the served model name) and `replica` (the Serve replica; "0" outside
+Serve), plus Ray's own (`WorkerId`, `NodeAddress`, `SessionName`, ...): sum over Ray's labels.
+`finish_reason` is stop, length, error, cancelled or timeout; `role` is draft or target;
+`position` counts from 0.
+
+Histograms: Ray's agent re-emits each observation at its bucket's midpoint, so a histogram's
+`_sum` is approximate (quantiles and counts are not affected). `specdec_accepted_length` has
+buckets at half-integers, so its midpoints are the integers it counts and its `_sum` is exact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+#: How often workers hand their metrics to the node's agent (Ray's default is 10 s).
+REPORT_INTERVAL_MS = 2000
+
+FINISH_REASONS = ("stop", "length", "error", "cancelled", "timeout")
+ROLES = ("draft", "target")
+LABELS = ("model_name", "replica")
+
+_LATENCY = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_FIRST_TOKEN = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+_REQUEST = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
+MAX_ACCEPTED_LENGTH = 32  # a step commits at most K + 1 tokens; longer steps (K > 31) fall in +Inf
+_ACCEPTED_LENGTH = [i + 0.5 for i in range(MAX_ACCEPTED_LENGTH + 1)]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    kind: str  # counter | gauge | histogram
+    name: str
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+def _c(name, description, *labels):
+    return MetricSpec("counter", name, description, labels)
+
+
+def _g(name, description, *labels):
+    return MetricSpec("gauge", name, description, labels)
+
+
+def _h(name, description, buckets):
+    return MetricSpec("histogram", name, description, (), tuple(buckets))
+
+
+#: Every metric the engine exports (names before Ray's `ray_` prefix and the counters' `_total`).
+METRICS = {spec.name: spec for spec in (
+    _c("specdec_num_drafts", "Verify steps that checked at least one draft token."),
+    _c("specdec_num_draft_tokens", "Draft tokens proposed and verified."),
+    _c("specdec_num_accepted_tokens", "Draft tokens the target accepted."),
+    _c("specdec_num_accepted_tokens_per_pos", "Verify steps whose draft token at this position (from 0) was "
+                                              "accepted.", "position"),
+    _c("specdec_target_forwards", "Target forward passes after the prompt's prefill (one per verify step)."),
+    _c("specdec_prompt_tokens", "Prompt tokens prefilled."),
+    _c("specdec_generation_tokens", "Tokens generated (committed to outputs)."),
+    _c("specdec_requests", "Requests finished, by finish reason (stop, length, error, cancelled, timeout).",
+       "finish_reason"),
+    _c("specdec_kv_rewinds", "KV-cache rewinds that dropped at least one token (rejected or unused draft "
+                             "tokens).", "role"),
+    _c("specdec_kv_rewound_tokens", "Tokens dropped from KV caches by rewinds.", "role"),
+    _c("specdec_pipeline_hits", "Pre-drafted blocks used as the next proposal (pipelined separate draft)."),
+    _c("specdec_pipeline_misses", "Pre-drafted blocks thrown away (a rejection, or the bonus token differed)."),
+    _c("specdec_draft_failures", "Draft calls that failed; the request went on target-only."),
+    _g("specdec_requests_running", "Requests generating in this engine."),
+    _g("specdec_requests_waiting", "Requests admitted by this engine and waiting for its target shards (start-up "
+                                   "or a rebuild of the shard group)."),
+    _g("specdec_num_speculative_tokens", "K of the last verify step (the number of draft tokens asked for)."),
+    _g("specdec_kv_cache_tokens", "Tokens held in the KV caches of the requests in flight.", "role"),
+    _h("specdec_time_to_first_token_seconds", "From a request's arrival at the engine to its first token.",
+       _FIRST_TOKEN),
+    _h("specdec_inter_token_latency_seconds", "Time between a request's steps, divided over the tokens the step "
+                                              "committed (one observation per token).", _LATENCY),
+    _h("specdec_request_latency_seconds", "From a request's arrival at the engine to its last token (stop or "
+                                          "length).", _REQUEST),
+    _h("specdec_draft_latency_seconds", "One drafting call, as the coordinator waits for it (pre-drafted blocks "
+                                        "used cost no wait and are not observed).", _LATENCY),
+    _h("specdec_verify_latency_seconds", "One target verify forward over all shards, as the coordinator waits "
+                                         "for it.", _LATENCY),
+    _h("specdec_accepted_length", "Tokens committed per verify step that checked draft tokens (accepted + 1).",
+       _ACCEPTED_LENGTH),
+)}
+
+_created: dict[str, object] = {}  # one Ray metric object per name in this process
+
+
+def _metric(name: str):
+    metric = _created.get(name)
+    if metric is None:
+        from ray.util import metrics
+
+        spec = METRICS[name]
+        tag_keys = LABELS + spec.labels
+        if spec.kind == "counter":
+            metric = metrics.Counter(name, description=spec.description, tag_keys=tag_keys)
+        elif spec.kind == "gauge":
+            metric = metrics.Gauge(name, description=spec.description, tag_keys=tag_keys)
+        else:
+            metric = metrics.Histogram(name, description=spec.description, boundaries=list(spec.buckets),
+                                       tag_keys=tag_keys)
+        _created[name] = metric
+    return metric
+
+
+class EngineMetrics:
+    """The metrics of one engine (a coordinator): its labels and its gauges' current state."""
+
+    def __init__(self, model_name: str, replica: str = "0", max_k: int = 8) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self._waiting = 0
+        self._running: dict[str, list[int]] = {}  # request id -> [target, draft] KV-cache tokens
+        self._zero_counters(max_k)
+        self._set_gauges()
+
+    def _zero_counters(self, max_k: int) -> None:
+        """Export every counter series from the start, at 0: `rate()` cannot see the first increase of
+        a series that appears with it, and a panel of a counter that never moved (draft failures)
+        shows 0 rather than nothing. Ray's `Counter.inc` refuses 0, so the record call is used."""
+        extra = {"specdec_requests": [{"finish_reason": r} for r in FINISH_REASONS],
+                 "specdec_kv_rewinds": [{"role": r} for r in ROLES],
+                 "specdec_kv_rewound_tokens": [{"role": r} for r in ROLES],
+                 "specdec_num_accepted_tokens_per_pos": [{"position": str(i)} for i in range(max_k)]}
+        for name, spec in METRICS.items():
+            metric = _metric(name)
+            if spec.kind == "counter":
+                for labels in extra.get(name, [{}]):
+                    metric._record(0, tags={**self.tags, **labels})
+
+    # -------------------------------------------------------------------------------- record
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        if value:
+            _metric(name).inc(value, tags={**self.tags, **labels})
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        _metric(name).set(value, tags={**self.tags, **labels})
+
+    def observe(self, name: str, value: float, times: int = 1) -> None:
+        metric = _metric(name)
+        for _ in range(times):
+            metric.observe(value, tags=self.tags)
+
+    def _set_gauges(self) -> None:
+        self.set("specdec_requests_waiting", self._waiting)
+        self.set("specdec_requests_running", len(self._running))
+        for i, role in enumerate(("target", "draft")):
+            self.set("specdec_kv_cache_tokens", sum(held[i] for held in self._running.values()), role=role)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def arrived(self, request_id: str) -> "RequestMetrics":
+        """A request passed validation and waits for the engine (see `RequestMetrics`)."""
+        self._waiting += 1
+        self.set("specdec_requests_waiting", self._waiting)
+        return RequestMetrics(self, request_id)
+
+
+class RequestMetrics:
+    """One request's recording point: its clock, and what it holds in the caches."""
+
+    def __init__(self, engine: EngineMetrics, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.arrived = time.perf_counter()
+        self.last_token: float | None = None  # when the last step committed (None: no token yet)
+        self.state = "waiting"  # waiting -> running -> finished
+
+    def started(self) -> None:
+        """The engine took the request (its shard group is ready): running from here."""
+        engine = self.engine
+        engine._waiting -= 1
+        engine._running[self.request_id] = [0, 0]
+        self.state = "running"
+        engine._set_gauges()
+
+    def prefilled(self, num_prompt_tokens: int, target_cache_tokens: int) -> None:
+        self.engine.inc("specdec_prompt_tokens", num_prompt_tokens)
+        self._hold(target=target_cache_tokens)
+
+    def step(self, step: "StepRecord") -> None:
+        """One verify step committed (the core's stats got the same numbers)."""
+        engine, now = self.engine, time.perf_counter()
+        engine.set("specdec_num_speculative_tokens", step.k)
+        engine.inc("specdec_target_forwards")
+        engine.observe("specdec_verify_latency_seconds", step.verify_seconds)
+        if step.draft_seconds is not None:
+            engine.observe("specdec_draft_latency_seconds", step.draft_seconds)
+        if step.num_proposed:
+            engine.inc("specdec_num_drafts")
+            engine.inc("specdec_num_draft_tokens", step.num_proposed)
+            engine.inc("specdec_num_accepted_tokens", step.num_accepted)
+            for position in range(step.num_accepted):
+                engine.inc("specdec_num_accepted_tokens_per_pos", position=str(position))
+            engine.observe("specdec_accepted_length", step.num_accepted + 1)
+        engine.inc("specdec_generation_tokens", step.num_committed)
+        if step.num_committed:
+            if self.last_token is None:
+                engine.observe("specdec_time_to_first_token_seconds", now - self.arrived)
+            else:
+                engine.observe("specdec_inter_token_latency_seconds", (now - self.last_token) / step.num_committed,
+                               times=step.num_committed)
+            self.last_token = now
+        if step.pipeline_hit is not None:
+            engine.inc("specdec_pipeline_hits" if step.pipeline_hit else "specdec_pipeline_misses")
+        engine.inc("specdec_draft_failures", step.draft_failures)
+        for role, rewound in (("target", step.target_rewound_tokens), ("draft", step.draft_rewound_tokens)):
+            if rewound:
+                engine.inc("specdec_kv_rewinds", role=role)
+                engine.inc("specdec_kv_rewound_tokens", rewound, role=role)
+        self._hold(target=step.target_cache_tokens, draft=step.draft_cache_tokens)
+
+    def finished(self, finish_reason: str) -> None:
+        engine = self.engine
+        if self.state == "waiting":
+            engine._waiting -= 1
+        engine._running.pop(self.request_id, None)
+        if self.state != "finished":
+            engine.inc("specdec_requests", finish_reason=finish_reason)
+            if finish_reason in ("stop", "length"):
+                engine.observe("specdec_request_latency_seconds", time.perf_counter() - self.arrived)
+        self.state = "finished"
+        engine._set_gauges()
+
+    def _hold(self, target: int | None = None, draft: int | None = None) -> None:
+        held = self.engine._running.get(self.request_id)
+        if held is None:
+            return
+        if target is not None:
+            held[0] = target
+        if draft is not None:
+            held[1] = draft
+        self.engine._set_gauges()
+
+
+@dataclass
+class StepRecord:
+    """What one verify step did, as the coordinator saw it."""
+
+    k: int  # draft tokens asked for (after clamping to max_tokens and the context)
+    num_proposed: int  # draft tokens verified (fewer than k when the proposer found fewer)
+    num_accepted: int
+    num_committed: int  # tokens added to the output (accepted + recovered/bonus, cut at a stop)
+    verify_seconds: float
+    draft_seconds: float | None = None  # None: no drafting call this step (K=0, or a pre-drafted block)
+    pipeline_hit: bool | None = None  # None: nothing was pre-drafted this step
+    draft_failures: int = 0
+    target_rewound_tokens: int = 0
+    target_cache_tokens: int | None = None  # per shard, after the rewind (None: not rewound, request done)
+    draft_rewound_tokens: int = 0
+    draft_cache_tokens: int | None = None  # None: not reported (n-gram draft, or no drafting call)
