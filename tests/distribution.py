@@ -41,12 +41,23 @@ def exact_pair_distribution(model, params: SamplingParams, first: int = 0) -> to
     return joint.view(-1, VOCAB, VOCAB).sum(0)
 
 
-def sample_pair(engine, params: SamplingParams, max_tokens: int, num_samples: int, first: int = 0):
-    """Counts of (t[first], t[first+1]) over seeded generations, and the acceptance rate seen."""
+def sample_pair(engine, params: SamplingParams, max_tokens: int, num_samples: int, first: int = 0,
+                concurrency: int = 1):
+    """Counts of (t[first], t[first+1]) over seeded generations, and the acceptance rate seen.
+
+    `concurrency` > 1 runs that many requests at once (an engine that serves concurrent requests, the
+    Ray engine): each seeded request's output does not depend on what runs beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     proposed = accepted = hits = 0
-    for seed in range(num_samples):
-        out = engine.generate(prompt_token_ids=PROMPT, sampling=params.replace(seed=seed, max_tokens=max_tokens))
+
+    def run(seed):
+        return engine.generate(prompt_token_ids=PROMPT, sampling=params.replace(seed=seed, max_tokens=max_tokens))
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outputs = list(pool.map(run, range(num_samples)))
+    for out in outputs:
         counts[out.token_ids[first], out.token_ids[first + 1]] += 1
         proposed += out.speculative.num_draft_tokens
         accepted += out.speculative.num_accepted_tokens

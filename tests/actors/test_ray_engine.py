@@ -236,7 +236,7 @@ def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_v
         params = SamplingParams(temperature=0.5)  # peaked enough that the bonus guess often hits
         local = SpeculativeEngine.from_pretrained(str(target), draft="none")
         exact = exact_pair_distribution(local.target_model.model, params, first=3)
-        counts, _, hits = sample_pair(engine, params, max_tokens=5, num_samples=1200, first=3)
+        counts, _, hits = sample_pair(engine, params, max_tokens=5, num_samples=1200, first=3, concurrency=8)
         pvalue = chi_square_pvalue(counts, exact)
         print(f"pipeline hits {hits} in 1200 samples, p-value {pvalue:.3f}")
         assert hits > 200  # a fifth of the samples went through a used pre-drafted block

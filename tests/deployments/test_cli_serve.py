@@ -172,10 +172,24 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Prometheus answers 503 until its storage is open: wait for /-/ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"Prometheus not ready after {timeout_s}s")
+
     def query(self, expr: str) -> list:
         r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        assert r.status_code == 200, f"{expr}: HTTP {r.status_code} {r.text[:300]}"
         body = r.json()
-        assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+        assert body["status"] == "success", f"{expr}: {body}"
         return body["data"]["result"]
 
     def wait_for(self, expr: str, want=lambda v: True, timeout_s: float = 60.0) -> float:
@@ -256,6 +270,7 @@ def test_every_dashboard_query_is_live_in_a_real_prometheus(server, prometheus_b
     try:
         assert subprocess.run(["promtool", "check", "config", str(prom.config)], capture_output=True,
                               text=True).returncode == 0
+        prom.wait_ready()
         prom.wait_for('up{job="specdec"}', lambda v: v == 1)
         before = _stable_totals(server.metrics_url)
         prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == before["ray_specdec_num_draft_tokens"])

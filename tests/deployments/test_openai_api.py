@@ -420,17 +420,24 @@ def _requests_by_reason(model: str) -> dict[str, float]:
     return counts
 
 
-def _wait_counts(model: str, want: dict[str, float], timeout_s: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = _requests_by_reason(model)
-        if all(counts.get(r, 0) >= n for r, n in want.items()) or time.monotonic() > deadline:
+def _settled_counts(models: tuple[str, ...], quiet_s: float = 5.0, timeout_s: float = 60) -> list[dict]:
+    """The counts once they stop moving: engines report every 2 s, so what earlier requests did
+    may still be on its way."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = [_requests_by_reason(m) for m in models]
+        if counts != last:
+            last, since = counts, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
             return counts
         time.sleep(0.5)
+    raise AssertionError(f"request counts kept moving: {last}")
 
 
 def test_finish_reasons_count_timeouts_disconnects_and_completions(service):
-    long_before, tiny_before = _requests_by_reason("long"), _requests_by_reason(MODEL)
+    service.wait_idle()
+    service.wait_idle("strict")
+    long_before, tiny_before = _settled_counts(("long", MODEL))
     # A request past the strict app's 5 s timeout: a timeout, not a cancellation.
     r = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 4000,
                                                                  "temperature": 0, "ignore_eos": True}, timeout=60)
@@ -444,9 +451,8 @@ def test_finish_reasons_count_timeouts_disconnects_and_completions(service):
             next(line for line in stream.iter_lines() if line.startswith("data: "))
     service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     service.wait_idle()
-    long_after = _wait_counts("long", {"timeout": long_before.get("timeout", 0) + 1})
-    tiny_after = _wait_counts(MODEL, {"cancelled": tiny_before.get("cancelled", 0) + 1,
-                                      "length": tiny_before.get("length", 0) + 1})
+    service.wait_idle("strict")
+    long_after, tiny_after = _settled_counts(("long", MODEL))
     delta = lambda after, before: {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}  # noqa: E731
     assert delta(long_after, long_before) == {"timeout": 1}
     assert delta(tiny_after, tiny_before) == {"cancelled": 1, "length": 1}
