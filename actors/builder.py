@@ -70,12 +70,62 @@ def _role_options(role: RolePlacement) -> dict:
     return options
 
 
-def create_draft_worker(config: RayEngineConfig, target_vocab_size: int):
+async def reserve_draft(config: RayEngineConfig):
+    """The separate draft worker's placement group (its role's resources), reserved before the target
+    loads: a role no node offers fails within the placement timeout, not after minutes of loading."""
+    return await _reserve([config.draft.bundle()], "the draft worker", config.placement_timeout_s)
+
+
+def create_draft_worker(config: RayEngineConfig, target_vocab_size: int, pg):
+    """The separate draft worker in its placement group (`reserve_draft`); Ray restarts it there."""
     from actors.draft_worker import DraftWorker
 
-    return (ray.remote(DraftWorker)
-            .options(max_restarts=config.draft_max_restarts, max_task_retries=0, **_role_options(config.draft))
-            .remote(config.engine, target_vocab_size, config.draft.num_threads))
+    options = _role_options(config.draft)
+    options.pop("resources", None)  # reserved by the bundle
+    options.pop("accelerator_type", None)
+    actor = (ray.remote(DraftWorker)
+             .options(max_restarts=config.draft_max_restarts, max_task_retries=0,
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                      **options)
+             .remote(config.engine, target_vocab_size, config.draft.num_threads))
+    return actor
+
+
+async def _reserve(bundles: list[dict], what: str, timeout_s: float):
+    """A STRICT_PACK placement group of `bundles`, ready, or a RuntimeError that names what is missing."""
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        await asyncio.wait_for(pg.ready(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"cannot place {what} ({_describe(bundles)}) on one node within {timeout_s:.0f}s: "
+                           f"{_shortfall(bundles)}") from None
+    return pg
+
+
+def _describe(bundles: list[dict]) -> str:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
+    return ", ".join(f"{v:g} {k}" for k, v in total.items() if v)
+
+
+def _shortfall(bundles: list[dict]) -> str:
+    """Why no node holds the bundles: the resources no alive node has enough of, or busy nodes."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0.0) + value
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    missing = [key for key, value in need.items() if value and not any(node.get(key, 0.0) >= value for node in nodes)]
+    if missing:
+        offered = {key: max((node.get(key, 0.0) for node in nodes), default=0.0) for key in missing}
+        return ("no node of the cluster offers " + ", ".join(f"{need[k]:g} {k} (most on one node: {offered[k]:g})"
+                                                             for k in missing)
+                + "; start nodes with these resources (`ray start --resources`, or a node type of cluster.yaml) or "
+                  "change the role's resources")
+    return f"nodes offer these resources but they are in use; free now: {ray.available_resources()}"
 
 
 @dataclass
@@ -93,15 +143,7 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
     bundles = [dict(bundle) for _ in range(config.tp_size)]
     if config.colocated:  # rank 0 also runs the draft
         bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft.num_cpus
-    pg = placement_group(bundles, strategy="STRICT_PACK")
-    try:
-        await asyncio.wait_for(pg.ready(), timeout=config.placement_timeout_s)
-    except asyncio.TimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"cannot place {config.tp_size} target shard(s) of {bundle} on one node within "
-            f"{config.placement_timeout_s:.0f}s; free resources now: {ray.available_resources()}"
-        ) from None
+    pg = await _reserve(bundles, f"{config.tp_size} target shard(s)", config.placement_timeout_s)
     shards = []
     for rank in range(config.tp_size):
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import ray
 
-from actors.builder import create_draft_worker, create_target_group, kill_target_group
+from actors.builder import create_draft_worker, create_target_group, kill_target_group, reserve_draft
 from actors.config import RayEngineConfig
 from actors.metrics import EngineMetrics, RequestMetrics, StepRecord
 from specdec.config import SamplingParams
@@ -65,6 +65,7 @@ class Coordinator:
         self.metrics = EngineMetrics(model_name or _model_name(config.engine.target), replica, config.engine.k_max)
         self.tokenizer = None
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
+        self._draft_pg = None  # its placement group
         self.group = None  # actors.builder.TargetGroup
         self.info: dict = {}
         self.costs = CostModel()
@@ -86,11 +87,14 @@ class Coordinator:
             check_same_vocabulary(self.tokenizer, load_tokenizer(engine.draft, engine.trust_remote_code),
                                   engine.target, engine.draft)
         self._group_ready = asyncio.Event()
+        separate = engine.draft != "none" and not self.config.colocated
+        if separate:  # both roles' resources before any model loads
+            self._draft_pg = await reserve_draft(self.config)
         self.group = await create_target_group(self.config)
         self.info = self.group.info
         self._group_ready.set()
-        if engine.draft != "none" and not self.config.colocated:
-            self.draft = create_draft_worker(self.config, self.info["vocab_size"])
+        if separate:
+            self.draft = create_draft_worker(self.config, self.info["vocab_size"], self._draft_pg)
             await self.draft.ready.remote()
         self.info = {**self.info, "draft_placement": self.config.draft_placement if engine.draft != "none" else None,
                      "pipeline": self.config.pipeline}
@@ -111,6 +115,11 @@ class Coordinator:
         if self.draft is not None:
             ray.kill(self.draft, no_restart=True)
             self.draft = None
+        if self._draft_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._draft_pg)
+            self._draft_pg = None
 
     # --------------------------------------------------------------------------- inspection
 

@@ -81,14 +81,18 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
+def start_session_ray() -> None:
+    from actors.builder import ensure_ray
+
+    ensure_ray(num_cpus=2, object_store_memory=256 * 1024**2)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Real Ray: one small local instance for the whole session, started only if a test asks."""
     import ray
 
-    from actors.builder import ensure_ray
-
-    ensure_ray(num_cpus=2, object_store_memory=256 * 1024**2)
+    start_session_ray()
     yield ray
     ray.shutdown()
 
