@@ -63,6 +63,8 @@ class ServeOptions(BaseModel):
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' [default: "
                                                         "$SPECDEC_API_KEY]")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of 503 answers")
+    require_api_key: bool = Field(False, description="refuse to build the app without an API key (a service "
+                                                     "other machines can reach; deployments/cluster-serve.yaml)")
 
     @field_validator("k", mode="before")
     @classmethod
@@ -79,6 +81,9 @@ class ServeOptions(BaseModel):
     def model_post_init(self, __context) -> None:
         if self.api_key is None and env("API_KEY"):
             self.api_key = SecretStr(env("API_KEY"))
+        if self.require_api_key and (self.api_key is None or not self.api_key.get_secret_value()):
+            raise ValueError("require_api_key: no API key is set; set SPECDEC_API_KEY in the environment of the "
+                             "nodes that build and serve the app (cluster.yaml sources ~/.specdec.env)")
         if self.draft is None:
             self.draft = suggest_draft(self.target)
         if self.served_model_name is None:

@@ -51,6 +51,11 @@ def test_a_broken_cluster_yaml_fails_the_validation(cluster):
         validate_config(prepare_config(broken))
 
 
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    monkeypatch.setenv("SPECDEC_API_KEY", "sk-cluster-test")  # as ~/.specdec.env gives it on the nodes
+
+
 def _options(serve_config: dict):
     from deployments.config import ServeOptions
 
@@ -65,6 +70,14 @@ def test_cluster_serve_config_parses_and_builds_a_separate_pipelined_engine(serv
     assert config.draft_placement == "separate" and config.pipeline and config.tp_size >= 2
     assert "api_key" not in serve_config["applications"][0]["args"]  # from $SPECDEC_API_KEY, never in the file
     assert serve_config["http_options"]["host"] == "127.0.0.1"
+
+
+def test_the_cluster_service_refuses_to_build_without_an_api_key(serve_config, monkeypatch):
+    from pydantic import ValidationError
+
+    monkeypatch.delenv("SPECDEC_API_KEY")
+    with pytest.raises(ValidationError, match="require_api_key: no API key is set"):
+        _options(serve_config)
 
 
 def _node_types(cluster: dict) -> dict[str, tuple[dict, int]]:

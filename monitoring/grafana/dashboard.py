@@ -16,12 +16,13 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOption, VariableRefresh, VariableSort
 
 OUTPUT = Path(__file__).with_name("specdec.json")
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SELECTOR = '{model_name=~"$model", replica=~"$replica"}'
 RATE = "[$__rate_interval]"
+ALL = VariableOption(selected=True, text=["All"], value=["$__all"])  # the variables start at All
 
 
 def rate(metric: str, by: str = "") -> str:
@@ -62,11 +63,11 @@ def build() -> dict:
          .with_variable(dashboard.QueryVariable("model").label("Model").datasource(DATASOURCE)
                         .query("label_values(ray_specdec_requests_total, model_name)")
                         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-                        .include_all(True).all_value(".*").multi(True))
+                        .include_all(True).all_value(".*").multi(True).current(ALL))
          .with_variable(dashboard.QueryVariable("replica").label("Replica").datasource(DATASOURCE)
                         .query('label_values(ray_specdec_requests_total{model_name=~"$model"}, replica)')
                         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-                        .include_all(True).all_value(".*").multi(True)))
+                        .include_all(True).all_value(".*").multi(True).current(ALL)))
 
     d = d.with_row(dashboard.Row("Acceptance"))
     d = d.with_panel(panel(
