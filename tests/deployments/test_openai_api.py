@@ -398,7 +398,8 @@ def test_overload_gets_503_with_retry_after_and_timeouts_408_and_free_everything
     assert last["error"]["code"] == "request_timeout" and "[DONE]" not in rest[-1]
     assert service.wait_idle("strict") == {"coordinator": 0, "shards": [0], "draft": None}
     # Once the load is gone, it serves normally.
-    ok = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 8}, timeout=60)
+    ok = httpx.post(f"{service.base}/strict/v1/completions", json={"prompt": "w5 w6", "max_tokens": 8, "temperature": 0,
+                                                                         "ignore_eos": True}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
 
 
