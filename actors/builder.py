@@ -103,20 +103,21 @@ async def _reserve(bundles: list[dict], what: str, timeout_s: float):
     return pg
 
 
-def _describe(bundles: list[dict]) -> str:
+def _total(bundles: list[dict]) -> dict[str, float]:
     total: dict[str, float] = {}
     for bundle in bundles:
         for key, value in bundle.items():
             total[key] = total.get(key, 0.0) + value
-    return ", ".join(f"{v:g} {k}" for k, v in total.items() if v)
+    return total
+
+
+def _describe(bundles: list[dict]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in _total(bundles).items() if v)
 
 
 def _shortfall(bundles: list[dict]) -> str:
     """Why no node holds the bundles: the resources no alive node has enough of, or busy nodes."""
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            need[key] = need.get(key, 0.0) + value
+    need = _total(bundles)
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     missing = [key for key, value in need.items() if value and not any(node.get(key, 0.0) >= value for node in nodes)]
     if missing:

@@ -36,6 +36,7 @@ from actors.config import RayEngineConfig
 from actors.metrics import EngineMetrics, RequestMetrics, StepRecord
 from specdec.config import SamplingParams
 from specdec.models import check_same_vocabulary, load_tokenizer
+from specdec.presets import short_name
 from specdec.prompt import Prompt, resolve_prompt
 from specdec.proposers import Proposal
 from specdec.sequence import Sequence as GenSequence, StreamChunk
@@ -62,7 +63,7 @@ class Coordinator:
     def __init__(self, config: RayEngineConfig, model_name: str | None = None, replica: str = "0") -> None:
         """`model_name` and `replica` label this engine's metrics (`actors/metrics.py`)."""
         self.config = config
-        self.metrics = EngineMetrics(model_name or _model_name(config.engine.target), replica, config.engine.k_max)
+        self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica, config.engine.k_max)
         self.tokenizer = None
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
         self._draft_pg = None  # its placement group
@@ -381,13 +382,6 @@ def _truncate(proposal: Proposal, k: int) -> Proposal:
         return proposal
     probs = proposal.probs[:k] if proposal.probs is not None else None
     return Proposal(proposal.token_ids[:k], probs)
-
-
-def _model_name(target: str) -> str:
-    """A target spec's short name (a preset's name, a directory's or file's base name)."""
-    import os
-
-    return os.path.basename(os.path.normpath(target)) or target
 
 
 def _first_line(error: Exception) -> str:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from actors.config import DRAFT_PLACEMENTS, RayEngineConfig, RolePlacement
 from specdec.config import EngineConfig, env
 from specdec.kernels import DRAFT_QUANTIZATIONS, LINEAR_KERNELS
-from specdec.presets import DEFAULT_TARGET, is_preset, suggest_draft
+from specdec.presets import DEFAULT_TARGET, short_name, suggest_draft
 
 
 class RoleOptions(BaseModel):
@@ -87,8 +87,7 @@ class ServeOptions(BaseModel):
         if self.draft is None:
             self.draft = suggest_draft(self.target)
         if self.served_model_name is None:
-            self.served_model_name = self.target if is_preset(self.target) else \
-                os.path.basename(os.path.normpath(self.target)) or self.target
+            self.served_model_name = short_name(self.target)
 
     # ------------------------------------------------------------------ conversion, one place
 

@@ -99,6 +99,13 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
+def short_name(spec: str) -> str:
+    """A model spec's short name: a preset's name, a directory's or file's base name, a hub id's last part."""
+    import os
+
+    return os.path.basename(os.path.normpath(spec)) or spec
+
+
 def is_preset(spec: str) -> bool:
     return spec in PRESETS
 
