@@ -15,14 +15,14 @@ class RolePlacement:
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
-    num_threads: int = 1  # torch intra-op threads in the actor
+    num_threads: int | None = None  # torch intra-op threads in the actor (None: the engine's num_threads, else 1)
     resources: dict[str, float] = field(default_factory=dict)  # custom node labels, e.g. {"large_gpu": 1}
     accelerator_type: str | None = None  # Ray accelerator type, e.g. "A10G", "H100"
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0, got {self.num_cpus}, {self.num_gpus}")
-        if not isinstance(self.num_threads, int) or self.num_threads < 1:
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
 
     def bundle(self) -> dict[str, float]:
@@ -69,6 +69,10 @@ class RayEngineConfig:
             object.__setattr__(self, "draft_placement", "separate" if self._heterogeneous() else "colocated")
         if self.pipeline and (self.engine.draft == "none" or self.colocated):
             object.__setattr__(self, "pipeline", False)  # nothing to pipeline / no second process to do it
+
+    def threads(self, role: RolePlacement) -> int:
+        """Torch threads of an actor of `role`: the role's, else the engine's `num_threads`, else 1."""
+        return role.num_threads or self.engine.num_threads or 1
 
     def _heterogeneous(self) -> bool:
         return any(role.num_gpus or role.accelerator_type or role.resources for role in (self.draft, self.target))

@@ -209,8 +209,9 @@ class RequestMetrics:
         self.engine.inc("specdec_prompt_tokens", num_prompt_tokens)
         self._hold(target=target_cache_tokens)
 
-    def step(self, step: "StepRecord") -> None:
-        """One verify step committed (the core's stats got the same numbers)."""
+    def step(self, step) -> None:
+        """One verify step committed: the core scheduler's `StepInfo` for this request (the core's stats
+        got the same numbers)."""
         engine, now = self.engine, time.perf_counter()
         engine.set("specdec_num_speculative_tokens", step.k)
         engine.inc("specdec_target_forwards")
@@ -262,21 +263,3 @@ class RequestMetrics:
         if draft is not None:
             held[1] = draft
         self.engine._set_gauges()
-
-
-@dataclass
-class StepRecord:
-    """What one verify step did, as the coordinator saw it."""
-
-    k: int  # draft tokens asked for (after clamping to max_tokens and the context)
-    num_proposed: int  # draft tokens verified (fewer than k when the proposer found fewer)
-    num_accepted: int
-    num_committed: int  # tokens added to the output (accepted + recovered/bonus, cut at a stop)
-    verify_seconds: float
-    draft_seconds: float | None = None  # None: no drafting call this step (K=0, or a pre-drafted block)
-    pipeline_hit: bool | None = None  # None: nothing was pre-drafted this step
-    draft_failures: int = 0
-    target_rewound_tokens: int = 0
-    target_cache_tokens: int | None = None  # per shard, after the rewind (None: not rewound, request done)
-    draft_rewound_tokens: int = 0
-    draft_cache_tokens: int | None = None  # None: not reported (n-gram draft, or no drafting call)

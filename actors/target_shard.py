@@ -1,7 +1,8 @@
 """One tensor-parallel shard of the target model, with the KV caches of its attention heads.
 
 All shards of a group receive the same calls in the same order (the coordinator submits each call
-to every shard before awaiting any) and run every forward together; transformers' built-in tensor
+to every shard before awaiting any) and run every batched forward together (the core's `TargetPool`
+holds the per-request KV caches of this shard's heads and runs the batch); transformers' built-in tensor
 parallelism (`tp_plan="auto"`, as in gpt-fast's `tp.py` the model file knows nothing about it)
 reduces through a torch.distributed process group among the shard actors: gloo on CPU, NCCL on GPU.
 Rank 0 returns the result; the others return None. tp_size 1 is a plain single-process target.
@@ -20,9 +21,9 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.kernels import apply_linear_kernel, choose_linear_kernel
-from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, select_device, set_threads
+from specdec.pools import TargetPool, TargetRow
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class TargetShard:
         self.host_draft = host_draft
         self.draft = None  # actors.draft_worker.DraftWorker, when the draft is colocated here
         self.runner: ModelRunner | None = None
-        self._caches: dict[str, KVCache] = {}
+        self.pool: TargetPool | None = None
 
     # ------------------------------------------------------------------------------- set-up
 
@@ -92,6 +93,7 @@ class TargetShard:
                                                   tensor_parallel=self.world_size > 1)
         apply_linear_kernel(loaded.model, self.linear_kernel)
         self.runner = ModelRunner(loaded)
+        self.pool = TargetPool(self.runner)
         if self.host_draft:
             from actors.draft_worker import DraftWorker
 
@@ -115,52 +117,35 @@ class TargetShard:
 
     # ------------------------------------------------------------------------------ serving
 
-    def forward(self, request_id: str, token_ids: Sequence[int], num_logits: int, expected_length: int,
-                greedy: bool):
-        """Append `token_ids` to the request's cache; rank 0 returns `[num_logits]` argmax ids (greedy)
-        or `[num_logits, vocab]` float32 logits on the CPU; other ranks return None."""
-        cache = self._caches.get(request_id)
-        if cache is None:
-            cache = self._caches[request_id] = self.runner.new_cache()
-        if len(cache) != expected_length:
-            raise RuntimeError(f"shard {self.rank}: cache of request {request_id} holds {len(cache)} tokens, "
-                               f"the coordinator expects {expected_length}")
-        logits = self.runner.forward(cache, token_ids, num_logits)  # [num_logits, vocab]
-        if self.rank != 0:
-            return None
-        if greedy:
-            return logits.argmax(dim=-1).tolist()
-        return logits.cpu()
+    def forward(self, rows: Sequence[TargetRow]):
+        """One batched forward over every row; rank 0 returns per row `[num_logits]` argmax ids (greedy),
+        `[num_logits, vocab]` float32 logits on the CPU, or that row's error; other ranks return None."""
+        results = self.pool.forward(rows)
+        return results if self.rank == 0 else None
 
-    def rewind(self, request_id: str, length: int) -> int:
-        cache = self._caches.get(request_id)
-        if cache is None:
-            return 0
-        cache.rewind(length)
-        return len(cache)
+    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:
+        """Rewind each (request id, length); this shard's cache length of each after it."""
+        return self.pool.rewind(rows)
 
     def cache_length(self, request_id: str) -> int | None:
-        cache = self._caches.get(request_id)
-        return None if cache is None else len(cache)
+        return self.pool.length(request_id)
 
-    def release(self, request_id: str) -> None:
-        cache = self._caches.pop(request_id, None)
-        if cache is not None:
-            cache.rewind(0)
+    def release(self, request_ids: Sequence[str]) -> None:
+        self.pool.release(request_ids)
         if self.draft is not None:
-            self.draft.release(request_id)
+            self.draft.release(request_ids)
 
     # ------------------------------------------------------------------- colocated draft
 
-    def propose(self, request_id: str, context_token_ids: Sequence[int], num_tokens: int, sampling):
-        """The colocated draft's proposal (same contract as `DraftWorker.propose`)."""
+    def propose(self, rows):
+        """The colocated draft's proposals (same contract as `DraftWorker.propose`)."""
         if self.draft is None:
             raise RuntimeError(f"shard {self.rank} hosts no draft")
-        return self.draft.propose(request_id, context_token_ids, num_tokens, sampling)
+        return self.draft.propose(rows)
 
     def ready(self) -> str:
         return self.draft.ready() if self.draft is not None else "target"
 
     def num_requests(self) -> int:
         """Requests holding state here: KV caches, and draft states when the draft is colocated."""
-        return len(self._caches) + (self.draft.num_requests() if self.draft is not None else 0)
+        return len(self.pool) + (self.draft.num_requests() if self.draft is not None else 0)

@@ -50,6 +50,10 @@ def register(subparsers, generate_parser) -> None:
     p.add_argument("--no-ray", action="store_true", help="skip the Ray engine")
     p.add_argument("--no-ngram", action="store_true", help="skip specdec's n-gram (prompt lookup) method")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (baseline: specdec-none)")
+    p.add_argument("--concurrency", type=_int_list, default=None, metavar="N,N,...",
+                   help="instead: throughput under N concurrent closed-loop clients for each N (batched and "
+                        "unbatched specdec, the Ray engine, HF generate() on static batches of N); "
+                        "writes bench-concurrency.json/.md and throughput_vs_concurrency.png")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default=None, help="output directory [default: bench-results/<time>]")
     p.set_defaults(func=cmd_bench)
@@ -70,12 +74,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         prompts, source = prompt_sources.humaneval(args.limit), "HumanEval"
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.concurrency is not None:
+        return _concurrency(args, prompts, sampling, out)
     config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
                          sampling=sampling, k_sweep=args.k_sweep, max_k=args.max_k, hf=not args.no_hf,
                          ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
                          ngram=not args.no_ngram, threads=args.threads, chat=args.chat,
                          out_dir=out)
     rows, paths = run(config)
+    print(paths["markdown"].read_text())
+    print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+def _concurrency(args: argparse.Namespace, prompts, sampling, out: Path) -> int:
+    from benchmarks import concurrency
+    from specdec.models import load_tokenizer
+    from specdec.prompt import check_prompt, tokenize_prompt
+
+    if not args.concurrency or any(n < 1 for n in args.concurrency):
+        raise ValueError(f"--concurrency needs integers >= 1, got {','.join(map(str, args.concurrency)) or 'none'}")
+    tokenizer = load_tokenizer(args.target)
+    ids = [check_prompt(tokenize_prompt(tokenizer, p.text, args.chat), sampling, len(tokenizer), 1 << 30)
+           for p in prompts]
+    rows, paths = concurrency.run(args.target, args.draft, ids, sampling, tuple(args.concurrency), out,
+                                  max_k=args.max_k, threads=args.threads, ray=not args.no_ray, hf=not args.no_hf,
+                                  command="specdec " + " ".join(sys.argv[1:]))
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0

@@ -95,7 +95,10 @@ class ServeOptions(BaseModel):
         return EngineConfig(target=self.target, draft=self.draft, num_speculative_tokens=self.k,
                             max_speculative_tokens=self.max_k, device=self.device, dtype=self.dtype,
                             num_threads=self.threads, linear_kernel=self.linear_kernel,
-                            draft_quantization=self.draft_quantization)
+                            draft_quantization=self.draft_quantization,
+                            # The replica's concurrent requests are decoded as one batch.
+                            max_batch_size=self.max_ongoing_requests,
+                            max_batch_tokens=max(512, self.max_ongoing_requests))
 
     def ray_engine_config(self) -> RayEngineConfig:
         engine = self.engine_config()

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from actors.builder import prepare_models
 from actors.coordinator import Coordinator
 from deployments.config import ServeOptions
-from specdec.config import SamplingParams
+from specdec.request import GenerationRequest
 from specdec.sequence import StreamChunk
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,10 @@ class ModelServer:
             raise
         logger.info("engine ready: %s", self.info)
 
-    async def generate(self, request_id: str, sampling: SamplingParams, prompt=None, prompt_token_ids=None,
-                       chat: bool = False, num_speculative_tokens: int | str | None = None,
-                       pipeline: bool | None = None, timeout_s: float | None = None) -> AsyncIterator[StreamChunk]:
-        stream = self.coordinator.generate_stream(prompt, prompt_token_ids, sampling, chat, request_id,
-                                                  num_speculative_tokens, pipeline, timeout_s)
+    async def generate(self, **fields) -> AsyncIterator[StreamChunk]:
+        """Stream one request; `fields` are those of `specdec.request.GenerationRequest`. Concurrent
+        requests of this replica are batched by its engine (up to `max_ongoing_requests` per step)."""
+        stream = self.coordinator.generate_stream(GenerationRequest(**fields))
         async with contextlib.aclosing(stream):  # a cancelled or closed stream frees the request at once
             async for chunk in stream:
                 yield chunk

@@ -86,6 +86,10 @@ class EngineConfig:
     linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
     draft_quantization: str = "auto"  # auto (int8 on CPU) | none | int8
     trust_remote_code: bool = False
+    # Batching (scheduler.py): requests decoded together per step, and the target tokens one step (or
+    # one prefill chunk) may feed; requests beyond the batch wait in a queue.
+    max_batch_size: int = 8
+    max_batch_tokens: int = 512
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +121,13 @@ class EngineConfig:
         if self.draft_quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}; "
                              f"got {self.draft_quantization!r}")
+        for name in ("max_batch_size", "max_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_batch_tokens < self.max_batch_size:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_batch_size "
+                             f"({self.max_batch_size}): every request in the batch feeds at least one token a step")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 

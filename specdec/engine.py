@@ -1,9 +1,11 @@
-"""The in-process speculative decoding engine: prefill, then draft -> verify -> commit -> rewind.
+"""The in-process speculative decoding engine: models, proposer and the batch scheduler in one process.
 
     engine = SpeculativeEngine.from_pretrained(target="path/or.gguf", draft="ngram", num_speculative_tokens=4)
     out = engine.generate(prompt="def fib(n):", sampling=SamplingParams(max_tokens=64))
+    outs = engine.generate_batch(["def fib(n):", "def sort(xs):"])   # decoded together, one batch
 
-One step (cf. gpt-fast `speculative_decode`, Leviathan et al. arXiv 2211.17192):
+One step (cf. gpt-fast `speculative_decode`, Leviathan et al. arXiv 2211.17192), for every request
+of the running batch at once (`scheduler.py`):
 1. the proposer proposes up to K tokens after the committed sequence;
 2. the target runs ONE forward over [last committed token, proposals] -> K+1 distributions;
 3. verification accepts a prefix and emits a recovered or bonus token (`verify.py`);
@@ -12,14 +14,17 @@ One step (cf. gpt-fast `speculative_decode`, Leviathan et al. arXiv 2211.17192):
    next step's first input) and the draft cache to the committed prefix it shares.
 The prefill covers the prompt minus its last token, so the first step already speculates.
 K = 0 (draft `none`, or k=auto falling back) is plain target decoding through the same loop.
+
+Concurrent `generate` / `generate_stream` calls (threads) share one scheduler, driven by one
+background thread: they are batched, up to `max_batch_size` requests per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -28,11 +33,13 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.kernels import apply_linear_kernel, choose_draft_quantization, choose_linear_kernel, quantize_int8
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary, load_model, select_device, set_threads
+from specdec.pools import DraftPool, TargetPool
 from specdec.prompt import Prompt, resolve_prompt, tokenize_prompt
-from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
-from specdec.sequence import GenerationOutput, Sequence as GenSequence, StreamChunk
-from specdec.speculation_length import CostModel, make_policy
-from specdec.verify import verify_proposal
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.request import GenerationRequest, as_request
+from specdec.scheduler import Scheduler, received
+from specdec.sequence import GenerationOutput, StreamChunk
+from specdec.speculation_length import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +51,7 @@ def _sync(device: torch.device) -> None:
 
 
 class SpeculativeEngine:
-    """Target model + proposer + verification, one request at a time (the Ray engine runs many)."""
+    """Target model + proposer + the batch scheduler, in this process; thread-safe (concurrent calls batch)."""
 
     def __init__(self, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.config = config
@@ -71,7 +78,21 @@ class SpeculativeEngine:
                 self.draft_model = draft
             self.proposer = DraftModelProposer(ModelRunner(draft, vocab_size=self.target.vocab_size))
         self.costs = CostModel()
-        self._lock = threading.Lock()
+        pool = TargetPool(self.target)
+        self.target_pool = pool
+        self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
+        self.scheduler = Scheduler(config, LocalTarget(pool, self.target.device),
+                                   LocalDraft(self.draft_pool, self.draft_device) if self.draft_pool is not None else None,
+                                   tokenizer=self.tokenizer, eos_token_ids=lambda: target.eos_token_ids,
+                                   vocab_size=self.target.vocab_size, max_context=self.target.max_context,
+                                   costs=self.costs)
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._stop = False
+
+    @property
+    def draft_device(self) -> torch.device:
+        return self.proposer.runner.device if isinstance(self.proposer, DraftModelProposer) else torch.device("cpu")
 
     @classmethod
     def from_pretrained(
@@ -105,104 +126,127 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------------------ generation
 
-    def generate(
-        self,
-        prompt: Prompt | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        sampling: SamplingParams | None = None,
-        chat: bool = False,
-        num_speculative_tokens: int | str | None = None,
-    ) -> GenerationOutput:
+    def generate(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> GenerationOutput:
         """Generate a completion; returns text, token ids, finish reason, usage and speculation stats.
 
-        `prompt` is text, or with `chat` a list of {"role", "content"} messages.
-
-        `num_speculative_tokens` overrides the engine's K (an int or "auto") for this request.
+        Pass a `GenerationRequest`, or its fields: `prompt` is text, or with `chat=True` a list of
+        {"role", "content"} messages; or `prompt_token_ids`; `sampling`; `num_speculative_tokens`
+        overrides the engine's K (an int, "auto", or 0 for target-only) for this request.
         """
         last = None
-        for last in self.generate_stream(prompt, prompt_token_ids=prompt_token_ids, sampling=sampling, chat=chat,
-                                         num_speculative_tokens=num_speculative_tokens):
+        for last in self.generate_stream(prompt, **fields):
             pass
         assert last is not None and last.output is not None
         return last.output
 
-    def generate_stream(
-        self,
-        prompt: Prompt | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        sampling: SamplingParams | None = None,
-        chat: bool = False,
-        num_speculative_tokens: int | str | None = None,
-    ) -> Iterator[StreamChunk]:
-        """Yield what each step commits; the last chunk carries the finish reason and the whole output."""
-        sampling = sampling or SamplingParams()
-        policy = make_policy(self.config, self.costs, num_speculative_tokens, has_draft=self.proposer is not None)
-        ids, sampling = resolve_prompt(self.tokenizer, prompt, prompt_token_ids, chat, sampling,
-                                       self.target.vocab_size, self.target.max_context, self.target_model.spec)
-        with self._lock:
-            yield from self._run(ids, sampling, policy)
+    def generate_stream(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> Iterator[StreamChunk]:
+        """Yield what each step commits; the last chunk carries the finish reason and the whole output.
+        Closing the iterator early cancels the request and frees its caches."""
+        request = self._request(prompt, fields)
+        return self._stream(*self._submit(request, *self._resolve(request)))
 
-    def _run(self, prompt_token_ids: list[int], sampling: SamplingParams, policy) -> Iterator[StreamChunk]:
-        draft_device = self.proposer.runner.device if isinstance(self.proposer, DraftModelProposer) else "cpu"
-        seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, self.target_model.eos_token_ids,
-                          self.target.device, draft_device)
-        target_cache = self.target.new_cache()
-        draft_state = self.proposer.new_state() if self.proposer else None
+    def generate_batch(self, requests: Sequence[GenerationRequest | Prompt]) -> list[GenerationOutput]:
+        """Generate many completions together (one batch, `max_batch_size` rows at a time); outputs in
+        the order of `requests`. Each is what it would be alone (greedy: token for token)."""
+        requests = [r if isinstance(r, GenerationRequest) else GenerationRequest(prompt=r) for r in requests]
+        resolved = [self._resolve(r) for r in requests]  # every request is valid before any starts
+        submitted = [self._submit(r, *ids_sampling) for r, ids_sampling in zip(requests, resolved)]
+        return [_last(self._stream(*s)).output for s in submitted]
+
+    def _request(self, prompt, fields) -> GenerationRequest:
+        if isinstance(prompt, GenerationRequest):
+            return as_request(prompt, **fields)
+        return as_request(prompt=prompt, **fields)
+
+    def _resolve(self, request: GenerationRequest):
+        return resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
+                              request.sampling, self.target.vocab_size, self.target.max_context,
+                              self.target_model.spec)
+
+    def _submit(self, request: GenerationRequest, ids: list[int], sampling: SamplingParams):
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        item = self.scheduler.submit(request, ids, sampling, out.put)
+        self._ensure_thread()
+        return item, out
+
+    def _stream(self, item, out: queue.SimpleQueue) -> Iterator[StreamChunk]:
         try:
-            # Prefill all but the last prompt token: the first step feeds it with the first proposal,
-            # so even the first generated token is speculated.
-            if len(seq.token_ids) > 1:
-                self.target.forward(target_cache, seq.token_ids[:-1], num_logits=1)
-                _sync(self.target.device)
-            seq.prefill_seconds = time.perf_counter() - seq.started
-            while not seq.finished:
-                yield self._finalize(seq, self._step(seq, target_cache, draft_state, policy))
+            while (chunk := received(out.get())) is not None:
+                yield chunk
         finally:
-            target_cache.rewind(0)
-            if self.proposer is not None:
-                self.proposer.release(draft_state)
+            self.scheduler.cancel(item)  # a no-op once the request has ended
 
-    def _finalize(self, seq: GenSequence, chunk: StreamChunk) -> StreamChunk:
-        if seq.finished:
-            chunk.output = seq.output()
-        return chunk
+    def shutdown(self) -> None:
+        """Fail what is still running and stop the scheduler's thread (the engine can start it again)."""
+        self.scheduler.fail_all(RuntimeError("the engine was shut down"))
+        with self._thread_lock:
+            thread, self._stop = self._thread, True
+        self.scheduler.wake()
+        if thread is not None:
+            thread.join(timeout=30)
+        self._stop = False
 
-    def _step(self, seq: GenSequence, target_cache, draft_state, policy) -> StreamChunk:
-        sampling = seq.sampling
-        k = seq.clamp_k(policy.next_k(), self.target.max_context)
-        t0 = time.perf_counter()
-        proposal = Proposal([])
-        if k > 0:
-            proposal = self.proposer.propose(draft_state, seq.token_ids, k, sampling, seq.draft_generator)
-            if isinstance(self.proposer, DraftModelProposer):
-                _sync(self.proposer.runner.device)
-        t1 = time.perf_counter()
-        inputs = [seq.token_ids[-1]] + proposal.token_ids
-        logits = self.target.forward(target_cache, inputs, num_logits=len(inputs))  # [K+1, vocab]
-        _sync(self.target.device)
-        t2 = time.perf_counter()
-        result = verify_proposal(proposal.token_ids, proposal.probs, logits, sampling, seq.verify_generator)
-        chunk = seq.commit(result.token_ids)
-        chunk.num_proposed = len(proposal)
-        if not seq.finished:
-            target_cache.rewind(len(seq.token_ids) - 1)
-            if target_cache.token_ids[-8:] != seq.token_ids[-9:-1]:
-                raise RuntimeError("target KV cache diverged from the committed tokens")
-            if self.proposer is not None:
-                self.proposer.rewind(draft_state, seq.token_ids)
-        t3 = time.perf_counter()
+    def _ensure_thread(self) -> None:
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+                self._thread.start()
 
-        num_proposed = len(proposal)
-        seq.record_step(num_proposed, result.num_accepted, proposal.num_forwards, t1 - t0, t2 - t1)
-        policy.observe(num_proposed, result.num_accepted)
-        self.costs.observe_target(len(inputs), t2 - t1)
-        self.costs.observe_overhead(t3 - t2)
-        if isinstance(self.proposer, DraftModelProposer):
-            # A long catch-up (after steps without drafting) is a small prefill, not a draft step.
-            if proposal.num_forwards and proposal.num_catchup_tokens <= 2:
-                self.costs.observe_draft(proposal.num_forwards, t1 - t0)
-        elif k > 0:
-            self.costs.observe_draft(1, t1 - t0)  # model-free proposer: one lookup per step, whatever K
-        return chunk
+    def _loop(self) -> None:
+        while True:
+            if self._stop or not self.scheduler.wait_for_work(timeout=30.0):
+                with self._thread_lock:
+                    if self._stop or not self.scheduler.num_active:
+                        self._thread = None
+                        return
+                continue
+            try:
+                with torch.inference_mode():
+                    self.scheduler.run_once()
+            except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
+                logger.exception("scheduler step failed")
+                self.scheduler.fail_all(e)
+
+
+class LocalTarget:
+    """The scheduler's target calls on an in-process `TargetPool` (results are ready at once)."""
+
+    def __init__(self, pool: TargetPool, device: torch.device) -> None:
+        self.pool, self.device = pool, device
+
+    def submit_forward(self, rows):
+        results = self.pool.forward(rows)
+        _sync(self.device)
+        return lambda: results
+
+    def rewind(self, rows):
+        return self.pool.rewind(rows)
+
+    def release(self, request_ids):
+        self.pool.release(request_ids)
+
+
+class LocalDraft:
+    """The scheduler's draft calls on an in-process `DraftPool`. It shares the target's cores, so
+    pre-drafting would not overlap anything (`concurrent` False)."""
+
+    concurrent = False
+
+    def __init__(self, pool: DraftPool, device: torch.device) -> None:
+        self.pool, self.device = pool, device
+        self.per_token = isinstance(pool.proposer, DraftModelProposer)
+
+    def submit_propose(self, rows):
+        results = self.pool.propose(rows)
+        _sync(self.device)
+        return lambda: results
+
+    def release(self, request_ids):
+        self.pool.release(request_ids)
+
+
+def _last(chunks: Iterator[StreamChunk]) -> StreamChunk:
+    last = None
+    for last in chunks:
+        pass
+    return last

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import BatchedKV, KVCache
 from specdec.models import LoadedModel
 
 
@@ -48,6 +48,47 @@ class ModelRunner:
         cache.append(token_ids)
         logits = out.logits[0, -num_logits:].float()  # [num_logits, model_vocab_size]
         return self._to_vocab(logits)
+
+    def can_batch(self, caches: Sequence[KVCache]) -> bool:
+        return len(caches) > 1 and all(c.batchable for c in caches)
+
+    @torch.inference_mode()
+    def open_batch(self, caches: Sequence[KVCache], extra: int) -> BatchedKV:
+        """Gather `caches` into one padded batch with room for `extra` more positions per row."""
+        return BatchedKV(caches, self.model.config, extra)
+
+    @torch.inference_mode()
+    def forward_rows(self, batch: BatchedKV, token_lists: Sequence[Sequence[int]],
+                     num_logits: Sequence[int]) -> list[torch.Tensor | None]:
+        """One forward of every row of `batch`: row i appends `token_lists[i]` (empty: it idles) and
+        gets the logits of its last `num_logits[i]` new positions, `[num_logits[i], vocab]` (None when
+        it idled). Each row's logits are those it would get alone (up to float summation order)."""
+        for cache_len, tokens in zip(batch.lengths, token_lists):
+            if cache_len + len(tokens) > self.max_context:
+                raise ValueError(f"sequence of {cache_len + len(tokens)} tokens exceeds the model's context of "
+                                 f"{self.max_context}")
+        kwargs = batch.inputs(token_lists, self.device)
+        width = kwargs["input_ids"].shape[1]
+        out = self.model(**kwargs, logits_to_keep=width)
+        logits = out.logits.float()  # [rows, width, model_vocab]
+        rows = []
+        for row, (tokens, n) in enumerate(zip(token_lists, num_logits)):
+            if not tokens:
+                rows.append(None)
+                continue
+            rows.append(self._to_vocab(logits[row, len(tokens) - n : len(tokens)]))
+        return rows
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
+                      num_logits: Sequence[int]) -> list[torch.Tensor]:
+        """`forward` of many caches in one batched pass (one alone runs unbatched)."""
+        if not self.can_batch(caches):
+            return [self.forward(c, t, n) for c, t, n in zip(caches, token_lists, num_logits)]
+        batch = self.open_batch(caches, max(len(t) for t in token_lists))
+        rows = self.forward_rows(batch, token_lists, num_logits)
+        batch.write_back()
+        return rows
 
     def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v, mv = self.vocab_size, logits.shape[-1]

@@ -49,7 +49,7 @@ class CostModel:
 
     window: int = 8
     samples: dict = field(default_factory=dict)  # num input tokens -> recent one-forward timings
-    draft_samples: deque = field(default_factory=deque)  # one draft forward of a single token
+    draft_samples: dict = field(default_factory=dict)  # batch rows -> recent one-draft-forward timings
     draft_call_samples: deque = field(default_factory=deque)  # per drafting step, outside the draft's forwards
     overhead_seconds: float = 0.0  # per step, outside the forwards (sampling, verification, bookkeeping)
     seen: set = field(default_factory=set)  # kinds whose first (warm-up) timing was dropped
@@ -70,9 +70,10 @@ class CostModel:
         if self._warm(("target", num_tokens)):
             self._push(self.samples.setdefault(num_tokens, deque()), seconds)
 
-    def observe_draft(self, num_forwards: int, seconds: float) -> None:
-        if num_forwards > 0 and self._warm("draft"):
-            self._push(self.draft_samples, seconds / num_forwards)
+    def observe_draft(self, num_forwards: int, seconds: float, rows: int = 1) -> None:
+        """A drafting call of `num_forwards` forwards over `rows` batch rows took `seconds`."""
+        if num_forwards > 0 and self._warm(("draft", rows)):
+            self._push(self.draft_samples.setdefault(rows, deque()), seconds / num_forwards)
 
     def observe_draft_call(self, seconds: float) -> None:
         """Time a drafting step spent outside the draft's own work (e.g. a remote call's round trip)."""
@@ -89,32 +90,21 @@ class CostModel:
 
     @property
     def draft_seconds(self) -> float | None:
-        return min(self.draft_samples) if self.draft_samples else None
+        """One single-row draft forward (or the smallest batch measured)."""
+        return self.draft_cost(1)
 
     @property
     def draft_call_seconds(self) -> float:
         return min(self.draft_call_samples) if self.draft_call_samples else 0.0
 
+    def draft_cost(self, rows: int = 1) -> float | None:
+        """One draft forward over `rows` batch rows, interpolated from the batch sizes seen so far."""
+        return _interpolate({n: min(w) for n, w in self.draft_samples.items() if w}, rows)
+
     def target_cost(self, num_tokens: int) -> float | None:
-        """Forward time for `num_tokens` input tokens, interpolated from the sizes seen so far."""
-        known = self.target_seconds
-        if num_tokens in known:
-            return known[num_tokens]
-        if not known:
-            return None
-        sizes = sorted(known)
-        if len(sizes) == 1:
-            return known[sizes[0]]  # one point: assume flat until measured otherwise
-        lower = [n for n in sizes if n < num_tokens]
-        upper = [n for n in sizes if n > num_tokens]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-        elif upper:  # below every measured size
-            a, b = sizes[0], sizes[1]
-        else:  # above every measured size: extend the last segment
-            a, b = sizes[-2], sizes[-1]
-        slope = (known[b] - known[a]) / (b - a)
-        return max(0.0, known[a] + slope * (num_tokens - a))
+        """Forward time for `num_tokens` input tokens (all rows of a batch together), interpolated
+        from the sizes seen so far."""
+        return _interpolate(self.target_seconds, num_tokens)
 
     @property
     def cost_ratio(self) -> float | None:
@@ -123,6 +113,27 @@ class CostModel:
         if self.draft_seconds is None or not t1:
             return None
         return self.draft_seconds / t1
+
+
+def _interpolate(known: dict[int, float], num_tokens: int) -> float | None:
+    """Piecewise-linear through the measured sizes, extended from the nearest segment."""
+    if num_tokens in known:
+        return known[num_tokens]
+    if not known:
+        return None
+    sizes = sorted(known)
+    if len(sizes) == 1:
+        return known[sizes[0]]  # one point: assume flat until measured otherwise
+    lower = [n for n in sizes if n < num_tokens]
+    upper = [n for n in sizes if n > num_tokens]
+    if lower and upper:
+        a, b = lower[-1], upper[0]
+    elif upper:  # below every measured size
+        a, b = sizes[0], sizes[1]
+    else:  # above every measured size: extend the last segment
+        a, b = sizes[-2], sizes[-1]
+    slope = (known[b] - known[a]) / (b - a)
+    return max(0.0, known[a] + slope * (num_tokens - a))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -201,18 +212,22 @@ class AutoK:
             total += survive
         return total
 
-    def rate(self, k: int) -> float | None:
-        """Expected tokens per second with K proposals, or None while a cost is unmeasured."""
-        target = self.costs.target_cost(k + 1)
-        if target is None or (k > 0 and self.costs.draft_seconds is None):
+    def rate(self, k: int, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> float | None:
+        """Expected tokens per second of the step with K proposals for this request, or None while a
+        cost is unmeasured. In a batch the step also verifies `other_tokens` rows of the other
+        requests, which emit `other_expected` tokens: the step's cost is the target's at the batch's
+        total rows, so a larger K pays only while the verify cost curve stays flat."""
+        target = self.costs.target_cost(other_tokens + k + 1)
+        draft = self.costs.draft_cost(rows)
+        if target is None or (k > 0 and draft is None):
             return None
         seconds = target + self.costs.overhead_seconds
         if k > 0:
-            seconds += k * (self.costs.draft_seconds or 0.0) + self.costs.draft_call_seconds
-        return self.expected_tokens(k) / seconds if seconds > 0 else None
+            seconds += k * (draft or 0.0) + self.costs.draft_call_seconds
+        return (self.expected_tokens(k) + other_expected) / seconds if seconds > 0 else None
 
-    def best_k(self) -> int:
-        rates = {k: self.rate(k) for k in range(self.k_max + 1)}
+    def best_k(self, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> int:
+        rates = {k: self.rate(k, other_tokens, other_expected, rows) for k in range(self.k_max + 1)}
         if rates[0] is None:
             return 0  # measure plain decoding first: it is the baseline every K is weighed against
         if rates[self.k_initial] is None:
@@ -220,8 +235,9 @@ class AutoK:
         known = {k: r for k, r in rates.items() if r is not None}
         return max(known, key=lambda k: (known[k], -k))
 
-    def next_k(self) -> int:
-        k = self.best_k()
+    def next_k(self, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> int:
+        """K for the next step (alone, or in a batch: see `rate`)."""
+        k = self.best_k(other_tokens, other_expected, rows)
         if k > 0:
             self.probe_interval = self.min_probe_interval
             self.steps_without_draft = 0

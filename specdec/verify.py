@@ -77,6 +77,12 @@ def recovered_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor
     return residual / total
 
 
+def bonus_distribution(target_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The bonus token's distribution after K accepted proposals: the target's at position K+1,
+    row K of `[K+1, vocab]` (`[1, vocab]`)."""
+    return target_probs[k : k + 1]
+
+
 def verify_sampled(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
@@ -105,7 +111,7 @@ def verify_sampled(
     accepted = (uniforms < accept_probability(p_x, q_x)).tolist()
     num_accepted = accepted.index(False) if False in accepted else k
     if num_accepted == k:
-        bonus = int(sample(target_probs[k : k + 1], generator)[0])
+        bonus = int(sample(bonus_distribution(target_probs, k), generator)[0])
         return VerifyResult(k, k, list(draft_token_ids) + [bonus])
     p = target_probs[num_accepted]
     if draft_probs is not None:

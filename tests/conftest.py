@@ -71,13 +71,17 @@ def tiny_other_vocab(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_vocab_pair(tmp_path_factory):
-    """A target and an unrelated draft over an 8-token vocabulary, for exact distribution tests."""
-    from tests.distribution import VOCAB
+    """A target and a clearly different draft over an 8-token vocabulary, for exact distribution tests.
 
-    target = make_model(tmp_path_factory.mktemp("sv-target"), "llama", vocab_size=VOCAB, seed=11,
-                        hidden=32, init_range=0.1, eos_token_id=None)
-    draft = make_model(tmp_path_factory.mktemp("sv-draft"), "llama", vocab_size=VOCAB, seed=12,
-                       hidden=32, init_range=0.1, eos_token_id=None)
+    Both lean towards continuing the prompt's pattern (a few training steps), so proposals are often
+    accepted and n-gram lookup proposes tokens the target likes; the draft is more confident than the
+    target (q > p on the pattern token), so acceptance is not saturated at min(1, p/q) = 1 and a wrong
+    q (e.g. a pre-drafted block's rows shifted by one) changes what is accepted."""
+    from tests.distribution import PATTERN, VOCAB
+
+    common = dict(vocab_size=VOCAB, hidden=32, init_range=0.1, eos_token_id=None, pattern=PATTERN)
+    target = make_model(tmp_path_factory.mktemp("sv-target"), "llama", seed=11, train_steps=5, **common)
+    draft = make_model(tmp_path_factory.mktemp("sv-draft"), "llama", seed=12, train_steps=8, **common)
     return target, draft
 
 

@@ -12,6 +12,7 @@ from scipy import stats
 from specdec import SamplingParams
 
 VOCAB = 8
+PATTERN = [3, 1, 2]
 PROMPT = [3, 1, 2, 3, 1, 2, 3, 1]  # repetitive, so the n-gram proposer has something to propose
 
 
@@ -42,11 +43,11 @@ def exact_pair_distribution(model, params: SamplingParams, first: int = 0) -> to
 
 
 def sample_pair(engine, params: SamplingParams, max_tokens: int, num_samples: int, first: int = 0,
-                concurrency: int = 1):
+                concurrency: int = 8):
     """Counts of (t[first], t[first+1]) over seeded generations, and the acceptance rate seen.
 
-    `concurrency` > 1 runs that many requests at once (an engine that serves concurrent requests, the
-    Ray engine): each seeded request's output does not depend on what runs beside it."""
+    `concurrency` requests run at once, so the engine decodes them as one batch: the distribution is
+    tested for requests inside a batch."""
     from concurrent.futures import ThreadPoolExecutor
 
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)

@@ -58,11 +58,12 @@ def make_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
 
 def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int = 0, tokenizer=None,
                perturb_from: Path | None = None, noise: float = 0.0, chat_template: str | None = None,
-               **config_kwargs) -> Path:
+               pattern: list[int] | None = None, train_steps: int = 0, **config_kwargs) -> Path:
     """Build, save and return the directory of a tiny random model.
 
     `perturb_from`: start from that model's weights plus Gaussian noise of std `noise`, which gives a
-    draft that agrees with the target often but not always.
+    draft that agrees with the target often but not always. `pattern`, `train_steps`: a few Adam steps
+    toward repeating `pattern`, which makes the model prefer (not always pick) continuing it.
     """
     from transformers import AutoModelForCausalLM
 
@@ -76,6 +77,15 @@ def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int 
     else:
         config = make_config(arch, vocab_size, **config_kwargs)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if pattern and train_steps:
+        sequence = torch.tensor([list(pattern) * (24 // len(pattern))])
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(train_steps):
+            loss = model(sequence, labels=sequence).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval()
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.save_pretrained(path)

@@ -65,6 +65,65 @@ class DraftModelProposer:
         return Proposal(token_ids, probs, num_forwards=num_tokens, num_catchup_tokens=num_catchup,
                         rewound_tokens=rewound, cache_tokens=len(cache))
 
+    @torch.inference_mode()
+    def propose_batch(
+        self,
+        states: Sequence[KVCache],
+        contexts: Sequence[Sequence[int]],
+        nums_tokens: Sequence[int],
+        samplings: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> list[Proposal]:
+        """`propose` for many sequences at once: one batched draft forward per proposal position (rows
+        that need fewer tokens idle in the later ones). Each row draws from its own generator exactly
+        what it would draw alone."""
+        rows = []
+        for cache, context, num_tokens in zip(states, contexts, nums_tokens):
+            held = len(cache)
+            rewound = held - cache.rewind_to_prefix_of(context)
+            if len(cache) == len(context):
+                cache.rewind(len(cache) - 1)
+            num_tokens = min(num_tokens, self.runner.max_context - len(context))
+            rows.append((rewound, max(0, num_tokens), list(context[len(cache):])))
+        active = [i for i, (_, n, _) in enumerate(rows) if n > 0]
+        proposals = [Proposal([], rewound_tokens=r, cache_tokens=len(c)) for (r, _, _), c in zip(rows, states)]
+        if len(active) <= 1 or not self.runner.can_batch([states[i] for i in active]):
+            for i in active:
+                p = self.propose(states[i], contexts[i], rows[i][1], samplings[i], generators[i])
+                p.rewound_tokens += rows[i][0]
+                proposals[i] = p
+            return proposals
+        width = max(len(rows[i][2]) for i in active)
+        steps = max(rows[i][1] for i in active)
+        batch = self.runner.open_batch([states[i] for i in active], width + steps - 1)
+        feed = [rows[i][2] for i in active]
+        tokens: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        for step in range(steps):
+            logits = self.runner.forward_rows(batch, feed, [1] * len(active))
+            feed = []
+            for j, i in enumerate(active):
+                if logits[j] is None:
+                    feed.append([])
+                    continue
+                sampling = samplings[i]
+                if sampling.greedy:
+                    token = int(logits[j][0].argmax())
+                else:
+                    p = logits_to_probs(logits[j], sampling)  # [1, vocab]
+                    token = int(sample(p, generators[i])[0])
+                    probs[j].append(p[0])
+                tokens[j].append(token)
+                # The last proposed token is not fed: the cache holds the context + the first K-1.
+                feed.append([token] if len(tokens[j]) < rows[i][1] else [])
+        batch.write_back()
+        for j, i in enumerate(active):
+            rewound, num_tokens, new = rows[i]
+            proposals[i] = Proposal(tokens[j], torch.stack(probs[j]) if probs[j] else None, num_forwards=num_tokens,
+                                    num_catchup_tokens=len(new) - 1, rewound_tokens=rewound,
+                                    cache_tokens=len(states[i]))
+        return proposals
+
     def rewind(self, state: KVCache, context_token_ids: Sequence[int]) -> None:
         state.rewind_to_prefix_of(context_token_ids)
 

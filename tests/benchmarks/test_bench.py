@@ -49,3 +49,27 @@ def test_bench_rejects_bad_input(tmp_path, capsys):
     assert main(["bench", "--limit", "0"]) == 2
     assert main(["bench", "--prompts", str(bad), "--ray-placement", "nearby"]) == 2
     assert "draft placements" in capsys.readouterr().err
+
+
+def test_bench_concurrency_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(f'"w{i} w{i + 1} w{i + 2} w3 w1 w2 w3 w1"' for i in range(4, 10)) + "\n")
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
+                 "--max-tokens", "12", "--max-k", "4", "--concurrency", "1,3", "--out", str(out)])
+    assert code == 0
+    rows = json.loads((out / "bench-concurrency.json").read_text())["summary"]
+    by = {(r["method"], r["concurrency"]): r for r in rows}
+    assert set(by) == {(m, n) for m in ("hf-static", "specdec-batched", "specdec-unbatched", "ray") for n in (1, 3)}
+    for (method, n), row in by.items():
+        assert row["requests"] == 6 and row["tokens"] > 0 and row["tokens_per_second"] > 0, (method, n)
+        assert row["latency_p50"] <= row["latency_p99"]
+        if method != "hf-static":
+            # Greedy: every request equals target-only generate() of its prompt alone.
+            assert row["identical_to_target_only"] == 6, (method, n)
+            assert 0 <= row["acceptance_rate"] <= 1
+    assert by[("specdec-batched", 3)]["mean_batch"] > 1 and by[("specdec-unbatched", 3)]["mean_batch"] == 1
+    assert by[("ray", 3)]["mean_batch"] > 1
+    assert (out / "throughput_vs_concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| specdec-batched | 3 |" in capsys.readouterr().out
+    assert main(["bench", "--concurrency", "0"]) == 2

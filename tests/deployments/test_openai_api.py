@@ -78,7 +78,10 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
     small = {"num_cpus": 0.1}
     args.update(target=str(tiny_chat_llama), draft=str(tiny_chat_llama_draft), threads=1, target_role=small,
                 draft_role=small, api_key=KEY, served_model_name=MODEL, max_ongoing_requests=8,
-                max_queued_requests=16, request_timeout_s=120)
+                max_queued_requests=16, request_timeout_s=120,
+                # A full-precision draft: an int8 one quantizes each linear's input over the whole batch,
+                # so seeded samples of concurrent requests (n choices) would depend on their batch-mates.
+                draft_quantization="none")
     serve.run(build_app(args), name="specdec", route_prefix="/")
     serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "threads": 1, "target_role": small,
                          "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
@@ -92,7 +95,8 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
 @pytest.fixture(scope="module")
 def local(service):
     """The in-process engine with the same models and K: what `specdec generate` runs."""
-    return SpeculativeEngine.from_pretrained(service.target, draft=service.draft, num_speculative_tokens=4)
+    return SpeculativeEngine.from_pretrained(service.target, draft=service.draft, num_speculative_tokens=4,
+                                             draft_quantization="none")
 
 
 def _post(service, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:

@@ -1,0 +1,139 @@
+"""The shard group and the draft worker: placement, start-up, teardown (no driver logic here).
+
+Target shards go into one STRICT_PACK placement group (tensor parallelism needs a fast
+interconnect); a separate draft worker is placed by its own resources, so on a cluster it can sit
+on a different kind of node; a colocated draft lives in the rank-0 shard's process (its CPUs are
+added to that shard's bundle). The coordinator uses these; `builder.py` starts the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.config import RayEngineConfig, RolePlacement
+
+logger = logging.getLogger(__name__)
+
+
+def _role_options(role: RolePlacement) -> dict:
+    options: dict = {"num_cpus": role.num_cpus, "num_gpus": role.num_gpus}
+    if role.resources:
+        options["resources"] = dict(role.resources)
+    if role.accelerator_type:
+        options["accelerator_type"] = role.accelerator_type
+    return options
+
+
+async def reserve_draft(config: RayEngineConfig):
+    """The separate draft worker's placement group (its role's resources), reserved before the target
+    loads: a role no node offers fails within the placement timeout, not after minutes of loading."""
+    return await _reserve([config.draft.bundle()], "the draft worker", config.placement_timeout_s)
+
+
+def create_draft_worker(config: RayEngineConfig, target_vocab_size: int, pg):
+    """The separate draft worker in its placement group (`reserve_draft`); Ray restarts it there."""
+    from actors.draft_worker import DraftWorker
+
+    options = _role_options(config.draft)
+    options.pop("resources", None)  # reserved by the bundle
+    options.pop("accelerator_type", None)
+    actor = (ray.remote(DraftWorker)
+             .options(max_restarts=config.draft_max_restarts, max_task_retries=0,
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                      **options)
+             .remote(config.engine, target_vocab_size, config.threads(config.draft)))
+    return actor
+
+
+async def _reserve(bundles: list[dict], what: str, timeout_s: float):
+    """A STRICT_PACK placement group of `bundles`, ready, or a RuntimeError that names what is missing."""
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        await asyncio.wait_for(pg.ready(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"cannot place {what} ({_describe(bundles)}) on one node within {timeout_s:.0f}s: "
+                           f"{_shortfall(bundles)}") from None
+    return pg
+
+
+def _total(bundles: list[dict]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def _describe(bundles: list[dict]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in _total(bundles).items() if v)
+
+
+def _shortfall(bundles: list[dict]) -> str:
+    """Why no node holds the bundles: the resources no alive node has enough of, or busy nodes."""
+    need = _total(bundles)
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    missing = [key for key, value in need.items() if value and not any(node.get(key, 0.0) >= value for node in nodes)]
+    if missing:
+        offered = {key: max((node.get(key, 0.0) for node in nodes), default=0.0) for key in missing}
+        return ("no node of the cluster offers " + ", ".join(f"{need[k]:g} {k} (most on one node: {offered[k]:g})"
+                                                             for k in missing)
+                + "; start nodes with these resources (`ray start --resources`, or a node type of cluster.yaml) or "
+                  "change the role's resources")
+    return f"nodes offer these resources but they are in use; free now: {ray.available_resources()}"
+
+
+@dataclass
+class TargetGroup:
+    shards: list
+    placement_group: object
+    info: dict
+
+
+async def create_target_group(config: RayEngineConfig) -> TargetGroup:
+    """tp_size shard actors in one STRICT_PACK placement group, joined into one process group."""
+    from actors.target_shard import TargetShard
+
+    bundle = config.target.bundle()
+    bundles = [dict(bundle) for _ in range(config.tp_size)]
+    if config.colocated:  # rank 0 also runs the draft
+        bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft.num_cpus
+    pg = await _reserve(bundles, f"{config.tp_size} target shard(s)", config.placement_timeout_s)
+    shards = []
+    for rank in range(config.tp_size):
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+        options = _role_options(config.target)
+        options.pop("resources", None)  # already reserved by the bundle
+        options.pop("accelerator_type", None)
+        options["num_cpus"] = bundles[rank].get("CPU", 0.0)
+        host_draft = config.colocated and rank == 0
+        shards.append(ray.remote(TargetShard)
+                      .options(scheduling_strategy=strategy, max_restarts=0, max_task_retries=0, **options)
+                      .remote(config.engine, rank, config.tp_size, config.threads(config.target), host_draft))
+    try:
+        host, port = await shards[0].address.remote()
+        infos = await asyncio.gather(*[s.setup.remote(host, port, config.process_group_timeout_s) for s in shards])
+    except BaseException:
+        kill_target_group(TargetGroup(shards, pg, {}))
+        raise
+    return TargetGroup(shards, pg, infos[0])
+
+
+def kill_target_group(group: TargetGroup | None) -> None:
+    if group is None:
+        return
+    for shard in group.shards:
+        try:
+            ray.kill(shard, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    try:
+        remove_placement_group(group.placement_group)
+    except Exception:  # noqa: BLE001
+        pass
