@@ -109,7 +109,8 @@ def _post(service, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Re
 def test_greedy_completion_equals_specdec_generate(service, local):
     out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
     cli = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", service.target, "--draft",
-                          service.draft, "--k", "4", "--max-tokens", "40", "--threads", "1", "--json", PROMPT],
+                          service.draft, "--k", "4", "--max-tokens", "40", "--threads", "1", "--draft-quantization",
+                          "none", "--json", PROMPT],
                          capture_output=True, text=True, timeout=300, check=True)
     expected = json.loads(cli.stdout)
     assert out.choices[0].text == expected["text"]
