@@ -57,3 +57,24 @@ def test_sampled_generation_is_reproducible_with_a_seed(engine):
     c = engine.generate(PROMPT, sampling=params.replace(seed=99))
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+def test_batched_greedy_equals_hf_generate_alone(engine, reference):
+    """A real model in a batch: prompts of different lengths decoded together, each equal to HF
+    `generate()` of that prompt alone (the first one against the module's reference)."""
+    from specdec.request import GenerationRequest
+
+    others = ["def fibonacci(n):", "# Sort a list of dictionaries by the key 'age'\n"]
+    model = engine.target_model.model
+    expected = [reference]
+    for text in others:
+        ids = engine.tokenize(text)
+        with torch.no_grad(), stock_linears(model):
+            out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        expected.append(out[0, len(ids):].tolist())
+    requests = [GenerationRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))]
+    requests += [GenerationRequest(prompt=text, sampling=SamplingParams(max_tokens=40)) for text in others]
+    before = max(engine.scheduler.batch_sizes, default=0)
+    outs = engine.generate_batch(requests)
+    assert [o.token_ids for o in outs] == expected
+    assert max(engine.scheduler.batch_sizes) == 3 > before
