@@ -59,6 +59,10 @@ class ModelServer:
         """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""
         return await self.coordinator.request_counts()
 
+    def batch_sizes(self) -> dict[int, int]:
+        """Steps this replica's engine ran at each batch size."""
+        return self.coordinator.batch_sizes()
+
     async def check_health(self) -> None:
         """Serve's periodic health check: the engine makes progress, or (idle) every actor answers."""
         await self.coordinator.check_health()

@@ -284,13 +284,13 @@ class Scheduler:
         failures = [item.seq.stats.draft_failures for item in batch]
         draft_rows = []
         for i, (item, k) in enumerate(zip(batch, ks)):
+            pending, item.pending = item.pending, None  # a pre-drafted block is for this step only
             if k <= 0:
                 continue
-            if item.pending is not None and len(item.pending):
-                proposals[i] = _truncate(item.pending, k)
+            if pending is not None and len(pending):
+                proposals[i] = _truncate(pending, k)
             else:
                 draft_rows.append(i)
-            item.pending = None
         draft_seconds = None
         if draft_rows:
             rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling)

@@ -229,7 +229,9 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(service, local):
 
 # ----------------------------------------------------------------------------- concurrency
 
-def test_eight_concurrent_requests_equal_sequential_ones(service):
+def test_eight_concurrent_requests_are_batched_and_equal_sequential_ones(service):
+    from ray import serve
+
     prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(3, 11)]
     sequential = [service.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
                   .choices[0].text for p in prompts]
@@ -241,6 +243,8 @@ def test_eight_concurrent_requests_equal_sequential_ones(service):
                                                 stream=stream)
         results[i] = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
 
+    model = serve.get_deployment_handle("SpecdecModel", app_name="specdec")
+    before = model.batch_sizes.remote().result()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -248,6 +252,9 @@ def test_eight_concurrent_requests_equal_sequential_ones(service):
         t.join(timeout=120)
     assert [results.get(i) for i in range(8)] == sequential
     assert service.wait_idle()["coordinator"] == 0
+    after = model.batch_sizes.remote().result()
+    batched = {size: n - before.get(size, 0) for size, n in after.items() if size > 1 and n > before.get(size, 0)}
+    assert batched, f"no step decoded more than one request: {after}"  # the replica's engine batched them
 
 
 def test_disconnect_mid_stream_frees_the_request_everywhere(service):
