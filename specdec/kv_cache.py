@@ -193,13 +193,14 @@ class BatchedKV:
                 ref = next(c.cache.layers[index] for c in caches if len(c))
                 k, v = ref.keys, ref.values
                 layer.reserve(k.new_empty(rows, *k.shape[1:]), v.new_empty(rows, *v.shape[1:]), self.past + extra)
-                layer._k[..., : self.past, :].zero_()
-                layer._v[..., : self.past, :].zero_()
                 for row, c in enumerate(caches):
                     n = len(c)
                     if n:
                         layer._k[row, :, :n] = c.cache.layers[index]._k[0, :, :n]
                         layer._v[row, :, :n] = c.cache.layers[index]._v[0, :, :n]
+                    # Padding is masked, but uninitialised memory may hold NaN (and 0 * NaN is NaN).
+                    layer._k[row, :, n : self.past].zero_()
+                    layer._v[row, :, n : self.past].zero_()
                 layer.length = self.past
                 layer._views()
         self._extra = extra
