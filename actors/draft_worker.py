@@ -34,7 +34,8 @@ class DraftWorker:
         elif config.draft == "none":
             raise ValueError("draft 'none' needs no draft worker")
         else:
-            loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code)
+            loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code,
+                                allow_pickle=config.allow_pickle_weights)
             self.quantization = choose_draft_quantization(config.draft_quantization, loaded.model)
             if self.quantization == "int8":
                 loaded = dataclasses.replace(loaded, model=quantize_int8(loaded.model))

@@ -85,9 +85,10 @@ class TargetShard:
 
             resolved = materialize(resolve_spec(self.config.target))
             kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
-            check_tp_divides(AutoConfig.from_pretrained(resolved.path, **kwargs), self.world_size)
+            check_tp_divides(AutoConfig.from_pretrained(resolved.path, trust_remote_code=self.config.trust_remote_code,
+                                                        **kwargs), self.world_size)
         loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
-                            tensor_parallel=self.world_size > 1)
+                            tensor_parallel=self.world_size > 1, allow_pickle=self.config.allow_pickle_weights)
         self.linear_kernel = choose_linear_kernel(self.config.linear_kernel, loaded.model,
                                                   speculating=self.config.draft != "none",
                                                   tensor_parallel=self.world_size > 1)

@@ -72,7 +72,8 @@ def options_from_args(args: argparse.Namespace):
                   draft_quantization=args.draft_quantization, replicas=args.replicas,
                   served_model_name=args.served_model_name, max_ongoing_requests=args.max_ongoing_requests,
                   max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                  max_n=args.max_n, api_key=args.api_key)
+                  max_n=args.max_n, api_key=args.api_key, trust_remote_code=args.trust_remote_code,
+                  allow_pickle_weights=args.allow_pickle_weights)
     try:
         options = ServeOptions(**fields)
         options.ray_engine_config()  # the core's and the actors' checks, before anything starts

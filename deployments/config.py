@@ -48,6 +48,9 @@ class ServeOptions(BaseModel):
                                                         "divided among the replicas' shards]")
     linear_kernel: Literal[LINEAR_KERNELS] = "auto"
     draft_quantization: Literal[DRAFT_QUANTIZATIONS] = "auto"
+    trust_remote_code: bool = Field(False, description="run Python code shipped with a model (auto_map)")
+    allow_pickle_weights: bool = Field(False, description="load .bin/.pt pickle weights when a model has no "
+                                                          "safetensors (pickles can run code as they load)")
     target_role: RoleOptions = Field(default_factory=RoleOptions, description="resources of each target shard")
     draft_role: RoleOptions = Field(default_factory=RoleOptions, description="resources of the separate draft")
 
@@ -95,7 +98,8 @@ class ServeOptions(BaseModel):
         return EngineConfig(target=self.target, draft=self.draft, num_speculative_tokens=self.k,
                             max_speculative_tokens=self.max_k, device=self.device, dtype=self.dtype,
                             num_threads=self.threads, linear_kernel=self.linear_kernel,
-                            draft_quantization=self.draft_quantization,
+                            draft_quantization=self.draft_quantization, trust_remote_code=self.trust_remote_code,
+                            allow_pickle_weights=self.allow_pickle_weights,
                             # The replica's concurrent requests are decoded as one batch.
                             max_batch_size=self.max_ongoing_requests,
                             max_batch_tokens=max(512, self.max_ongoing_requests))

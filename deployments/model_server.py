@@ -59,6 +59,10 @@ class ModelServer:
         """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""
         return await self.coordinator.request_counts()
 
+    def handles(self) -> dict:
+        """The engine's actors: {"draft": handle or None, "shards": [handles]} (drills, inspection)."""
+        return self.coordinator.handles()
+
     def batch_sizes(self) -> dict[int, int]:
         """Steps this replica's engine ran at each batch size."""
         return self.coordinator.batch_sizes()

@@ -36,8 +36,8 @@ from deployments.config import ServeOptions
 from deployments.errors import APIError, error_body, error_from_exception, validation_error
 from deployments.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ModelCard, ModelList,
-    SamplingRequest, Usage, new_id, now,
+    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ErrorResponse, ModelCard,
+    ModelList, SamplingRequest, Usage, new_id, now,
 )
 from specdec.sequence import GenerationOutput, StreamChunk
 from specdec.stats import SpeculativeStats
@@ -83,9 +83,11 @@ class OpenAIRouter:
                                                    "decoding.", version=_version())
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=ModelList)
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=CompletionResponse)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=CompletionResponse,
+                          responses=_GENERATION_RESPONSES)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
-                          response_model=ChatCompletionResponse)
+                          response_model=ChatCompletionResponse, responses=_GENERATION_RESPONSES)
+        app.openapi = _without_422(app.openapi)
         app.add_exception_handler(RequestValidationError, lambda request, exc: validation_error(exc.errors()).response())
         app.add_exception_handler(StarletteHTTPException, _http_exception)
         app.add_exception_handler(APIError, lambda request, exc: exc.response())
@@ -275,6 +277,33 @@ class OpenAIRouter:
 
 # ---------------------------------------------------------------------------------- helpers
 
+#: What the generation routes answer besides 200, for the OpenAPI schema (/openapi.json, /docs).
+_GENERATION_RESPONSES = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the response, or with stream: true its chunks as server-sent events ending with "
+                         "`data: [DONE]` (or an error event)"},
+    **{status: {"model": ErrorResponse, "description": description} for status, description in (
+        (400, "a bad parameter value, an unknown parameter, or a body that is not a JSON object"),
+        (401, "a missing or wrong API key"),
+        (408, "the request ran past the server's request timeout"),
+        (413, "the body is larger than the server's limit"),
+        (415, "the body is not JSON"),
+        (503, "the model is loading, its engine failed, or every replica is busy (see Retry-After)"))},
+}
+
+
+def _without_422(openapi):
+    """FastAPI documents a 422 for every body; this app answers 400 instead (see `validation_error`)."""
+    def schema() -> dict:
+        document = openapi()
+        for operations in document.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return document
+
+    return schema
+
+
 class RequestGuard:
     """ASGI middleware: the API key (every route but /health) and the body-size limit, checked
     before anything reads the body. Keys are compared in constant time."""
@@ -293,8 +322,9 @@ class RequestGuard:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                message = "missing API key: send 'Authorization: Bearer <key>'" if not given else \
-                    "incorrect API key"
+                message = ("missing API key: send 'Authorization: Bearer <key>'" if not given else
+                           "malformed Authorization header: send 'Authorization: Bearer <key>'"
+                           if scheme.lower() != b"bearer" else "incorrect API key")
                 return await APIError(401, message, code="invalid_api_key")(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -311,6 +341,9 @@ class RequestGuard:
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
                 return await _too_large(self.max_bytes)(scope, receive, send)
+        problem = _body_problem(headers.get(b"content-type"), body)
+        if problem is not None:
+            return await problem(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -321,6 +354,37 @@ class RequestGuard:
             return await receive()  # after the body: wait for the disconnect
 
         await self.app(scope, replay, send)
+
+
+def _body_problem(content_type: bytes | None, body: bytes) -> APIError | None:
+    """What is wrong with a request body before FastAPI sees it: not JSON by its Content-Type (415),
+    not UTF-8, not JSON, nested deeper than the parser goes, or holding text that is not Unicode (a
+    lone surrogate escape). An absent Content-Type is read as JSON, as FastAPI does."""
+    if not body:
+        return None
+    media = (content_type or b"").split(b";")[0].strip().lower()
+    if media and media != b"application/json" and not media.endswith(b"+json"):
+        return APIError(415, f"unsupported Content-Type {media.decode('latin-1')!r}: send the body as JSON with "
+                             "'Content-Type: application/json'", code="unsupported_media_type")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return APIError(400, f"request body is not valid UTF-8 (byte {body[e.start]:#04x} at offset {e.start})",
+                        code="invalid_json")
+    try:
+        parsed = json.loads(text)
+    except RecursionError:
+        return APIError(400, "request body is nested too deeply to parse", code="invalid_json")
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
+        return APIError(400, f"request body is not valid JSON: {e}", code="invalid_json")
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return APIError(400, f"request body holds a lone UTF-16 surrogate ({e.object[e.start]!r}), which is not "
+                             "valid Unicode text", code="invalid_json")
+    except RecursionError:
+        return APIError(400, "request body is nested too deeply to parse", code="invalid_json")
+    return None
 
 
 def _too_large(limit: int) -> APIError:

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 
 from specdec.config import SamplingParams
 
@@ -48,6 +48,15 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Numbers are JSON numbers: no booleans (`true` is not 1) and no strings; floats are finite (Python's
+# JSON parser reads NaN and Infinity).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+#: The longest stop string, in characters (a stop string is matched against held-back text).
+MAX_STOP_CHARS = 1024
+
+
 # ------------------------------------------------------------------------------------- requests
 
 class StreamOptions(StrictModel):
@@ -56,7 +65,7 @@ class StreamOptions(StrictModel):
 
 
 class SpeculativeOptions(StrictModel):
-    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+    num_speculative_tokens: Annotated[Int, Field(ge=0)] | Literal["auto"] | None = Field(
         None, description="K for this request: a number, 'auto', or 0 for the target alone")
     pipeline: bool | None = Field(None, description="pre-draft while verifying (separate draft only)")
 
@@ -65,13 +74,14 @@ class SamplingRequest(StrictModel):
     """The fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="the served model id (see /v1/models)")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens; 0 or -1 = off")
-    n: int = Field(1, ge=1, description="independent choices per prompt; choice i uses seed + i")
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, description="up to 16 strings that end the text (not included)")
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=-1, description="extension: keep the k most likely tokens; 0 or -1 = off")
+    n: Int = Field(1, ge=1, description="independent choices per prompt; choice i uses seed + i")
+    seed: Int | None = None
+    stop: str | list[str] | None = Field(None, description=f"up to 16 strings of at most {MAX_STOP_CHARS} "
+                                                             "characters that end the text (not included)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past the EOS token")
@@ -89,6 +99,8 @@ class SamplingRequest(StrictModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("stop: at most 16 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: each stop string must be at most {MAX_STOP_CHARS} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
         return self
@@ -116,9 +128,9 @@ class SamplingRequest(StrictModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
         ..., description="text, a list of texts (one choice each), token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: Int | None = Field(16, ge=1)
     echo: _off("echo") = None
     suffix: _off("suffix") = None
     best_of: _off("best_of") = None
@@ -155,7 +167,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="as max_tokens; wins when both are given")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="as max_tokens; wins when both are given")
     tools: _off("tools") = None
     tool_choice: _off("tool_choice") = None
     functions: _off("functions") = None

@@ -65,6 +65,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "[default: auto = hybrid/onednn when speculating on CPU fp32, else torch]")
     g.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8"],
                    help="quantize the draft model (lossless: it only proposes) [default: auto = int8 on CPU]")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped with a model (auto_map in its config); only for code you have read")
+    g.add_argument("--allow-pickle-weights", action="store_true",
+                   help="load .bin/.pt weights (Python pickles: they can run code as they load) when a model has no "
+                        "safetensors; only for files you trust [default: safetensors and GGUF only]")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,6 +143,8 @@ def engine_config_from_args(args: argparse.Namespace):
         num_threads=args.threads,
         linear_kernel=args.linear_kernel,
         draft_quantization=args.draft_quantization,
+        trust_remote_code=args.trust_remote_code,
+        allow_pickle_weights=args.allow_pickle_weights,
     )
 
 

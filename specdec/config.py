@@ -7,8 +7,13 @@ Both are frozen dataclasses validated in `__post_init__`, so a bad value fails w
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
+
+#: Temperatures below this sample greedily, as vLLM does: dividing logits by a smaller one overflows
+#: float32 (every probability becomes NaN), and the limit of T -> 0 is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 #: Environment variables are read here and nowhere else.
 ENV_PREFIX = "SPECDEC_"
@@ -21,7 +26,8 @@ def env(name: str, default: str | None = None) -> str | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. `temperature=0` is greedy (top_k/top_p are then irrelevant)."""
+    """How one request samples. `temperature=0` (or below `GREEDY_BELOW_TEMPERATURE`) is greedy
+    (top_k/top_p are then irrelevant)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,11 +42,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
@@ -55,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -85,7 +91,8 @@ class EngineConfig:
     # Kernels (see kernels.py): how the target's linear layers run, and whether the draft is quantized.
     linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
     draft_quantization: str = "auto"  # auto (int8 on CPU) | none | int8
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run a model's own Python code (auto_map)
+    allow_pickle_weights: bool = False  # load .bin/.pt pickles when a model has no safetensors
     # Batching (scheduler.py): requests decoded together per step, and the target tokens one step (or
     # one prefill chunk) may feed; requests beyond the batch wait in a queue.
     max_batch_size: int = 8

