@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+          415: "invalid_request_error",
           503: "service_unavailable_error"}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import queue
 import re
 import shutil
 import signal
@@ -29,6 +28,7 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from tests.deployments.processes import free_port, read_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECDEC = str(Path(sys.executable).with_name("specdec"))  # the console script, as a user runs it
@@ -36,23 +36,10 @@ KEY = "secret"
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _serve(*args: str) -> subprocess.Popen:
     return subprocess.Popen([SPECDEC, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-
-def _read_line(stream, timeout_s: float) -> str | None:
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout_s)
-    except queue.Empty:
-        return None
 
 
 @dataclass
@@ -69,14 +56,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_llama, tiny_chat_llama_draft):
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     proc = _serve("--target", str(tiny_chat_llama), "--draft", str(tiny_chat_llama_draft), "--draft-placement",
                   "separate", "--port", str(port), "--metrics-port", str(metrics_port), "--threads", "1",
                   "--api-key", KEY, "--served-model-name", MODEL, "--replicas", "2")
     try:
-        base = _read_line(proc.stdout, timeout_s=300)
+        base = read_line(proc.stdout, timeout_s=300)
         assert base is not None and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "slow"
-        metrics_url = _read_line(proc.stdout, timeout_s=10)
+        metrics_url = read_line(proc.stdout, timeout_s=10)
         yield Server(proc, port, base.strip(), (metrics_url or "").strip())
     finally:
         if proc.poll() is None:
@@ -159,7 +146,7 @@ def _traffic(client: openai.OpenAI) -> dict[str, float]:
 
 class Prometheus:
     def __init__(self, tmp_path: Path, metrics_url: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
         config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
@@ -362,6 +349,6 @@ def test_specdec_serve_refuses_a_metrics_port_in_use(tiny_chat_llama):
 def test_a_metrics_agent_that_never_answers_fails_the_start_with_a_clear_message():
     from deployments.cli import _wait_metrics
 
-    url = f"http://127.0.0.1:{_free_port()}/metrics"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
     with pytest.raises(RuntimeError, match="Ray's metrics agent is not exporting at " + re.escape(url)):
         _wait_metrics(url, timeout_s=1.5)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,13 @@ import pytest
 import yaml
 
 from specdec import SamplingParams, SpeculativeEngine
+from tests.deployments.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-specdec"
 MODEL = "tiny"
 PROMPT = "w5 w6 w7 w8"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -72,7 +67,7 @@ def _builder_and_args():
 def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama):
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     build_app, args = _builder_and_args()
     small = {"num_cpus": 0.1}

@@ -19,8 +19,6 @@ Tests run in file order and share the service; the fault drills come last.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +34,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from specdec import SamplingParams, SpeculativeEngine
-from tests.deployments.load import Result, Spec, percentile, request_mix, run_load
+from tests.deployments.load import Result, Spec, request_mix, run_load
+from tests.deployments.processes import free_port, read_line
 
 KEY = "sk-reliability"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,11 +49,6 @@ IDLE = {"coordinator": 0, "shards": [0, 0], "draft": 0}
 #: What a process may grow by between the first and the last load round (same requests each round).
 RSS_GROWTH_BOUND = 64 * 2**20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -98,23 +92,13 @@ class Service:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _read_line(stream, timeout_s: float) -> str | None:
-    import queue
-
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout_s)
-    except queue.Empty:
-        return None
-
 
 @pytest.fixture(scope="module")
 def service(ray_session, tiny_long_chat_llama, tiny_long_chat_llama_draft, tmp_path_factory):
     """`specdec serve` with tp=2 and a separate draft, in its own process, joined to this session's Ray."""
     import ray
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [SPECDEC, "serve", "--target", str(tiny_long_chat_llama), "--draft", str(tiny_long_chat_llama_draft),
             "--tp", "2", "--draft-placement", "separate", "--k", "4", "--threads", "1", "--api-key", KEY,
@@ -124,11 +108,11 @@ def service(ray_session, tiny_long_chat_llama, tiny_long_chat_llama_draft, tmp_p
     with open(log, "w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
     server = Service(proc, f"http://127.0.0.1:{port}", log)
-    line = _read_line(proc.stdout, 300)
+    line = read_line(proc.stdout, 300)
     if not line or not line.startswith("http"):
         proc.kill()
         pytest.fail(f"specdec serve did not become ready: {line!r}\n{server.log_tail()}")
-    _read_line(proc.stdout, 10)  # the metrics URL
+    read_line(proc.stdout, 10)  # the metrics URL
     yield server
     proc.terminate()
     try:
@@ -320,7 +304,9 @@ def _stream_lines(base: str, body: dict, path: str = "/v1/completions", timeout:
 
 
 def test_disconnects_and_timeouts_free_every_cache(service, figures):
-    reasons = lambda: {k: _counter("ray_specdec_requests", finish_reason=k) for k in ("cancelled", "timeout")}  # noqa: E731
+    def reasons() -> dict[str, float]:
+        return {k: _counter("ray_specdec_requests", finish_reason=k) for k in ("cancelled", "timeout")}
+
     before = _settled(reasons)
     long = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
     # A client that goes away after the first chunk.
