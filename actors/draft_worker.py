@@ -9,37 +9,33 @@ block that was not used, needs no extra call.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 
 from specdec.config import EngineConfig
-from specdec.kernels import choose_draft_quantization, quantize_int8
-from specdec.model_runner import ModelRunner
-from specdec.models import load_model, select_device, set_threads
+from specdec.draft import build_draft
+from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, DraftRow
-from specdec.proposers import DraftModelProposer, NgramProposer, Proposal
+from specdec.proposers import Proposal
 
 logger = logging.getLogger(__name__)
 
 
 class DraftWorker:
-    def __init__(self, config: EngineConfig, target_vocab_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, target_vocab_size: int, num_threads: int | None = None,
+                 target: LoadedModel | None = None) -> None:
         set_threads(num_threads or config.num_threads)
         self.config = config
-        self.quantization = "none"
-        if config.draft == "ngram":
-            proposer, device = NgramProposer(config.ngram_min, config.ngram_max), "cpu"
-        elif config.draft == "none":
+        if config.draft == "none":
             raise ValueError("draft 'none' needs no draft worker")
-        else:
+        loaded = None
+        if config.draft != "ngram":
             loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code,
                                 allow_pickle=config.allow_pickle_weights)
-            self.quantization = choose_draft_quantization(config.draft_quantization, loaded.model)
-            if self.quantization == "int8":
-                loaded = dataclasses.replace(loaded, model=quantize_int8(loaded.model))
-            proposer, device = DraftModelProposer(ModelRunner(loaded, vocab_size=target_vocab_size)), loaded.device
+        built = build_draft(config, loaded, target_vocab_size, target=target)
+        self.quantization = built.precision
+        proposer, device = built.proposer, built.device
         self.pool = DraftPool(proposer, device)
 
     def ready(self) -> str:

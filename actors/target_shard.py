@@ -98,8 +98,10 @@ class TargetShard:
         if self.host_draft:
             from actors.draft_worker import DraftWorker
 
-            # Same process, same thread pool: the draft and the target never run at once here.
-            self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads())
+            # Same process, same thread pool: the draft and the target never run at once here. An
+            # unsharded target is at hand for `auto` draft precision to measure acceptance against.
+            self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads(),
+                                     target=loaded if self.world_size == 1 else None)
         return self.describe()
 
     def describe(self) -> dict:

@@ -54,6 +54,17 @@ def register(subparsers, generate_parser) -> None:
                    help="instead: throughput under N concurrent closed-loop clients for each N (batched and "
                         "unbatched specdec, the Ray engine, HF generate() on static batches of N); "
                         "writes bench-concurrency.json/.md and throughput_vs_concurrency.png")
+    p.add_argument("--precisions", type=_name_list, default=(), metavar="P,P,...",
+                   help="also run auto K with the draft fixed at each precision (none, bfloat16, int8, int8-weight) "
+                        "[default: none of them; specdec-auto uses --draft-quantization auto]")
+    p.add_argument("--draft-vocabs", type=_int_list, default=(), metavar="N,N,...",
+                   help="also run the bfloat16 draft over the N most frequent tokens, for each N (FR-Spec)")
+    p.add_argument("--ngram-first", type=_int_list, default=(), metavar="N,N,...",
+                   help="also run the bfloat16 draft behind prompt lookup (matches of N+ tokens), for each N")
+    p.add_argument("--hopeless", type=int, default=0, metavar="N",
+                   help="also run a random-init draft of the draft's shape against target-only on the first N "
+                        "prompts [default: 0 = skip]")
+    p.add_argument("--no-prompt-lookup", action="store_true", help="skip HF's prompt lookup method")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default=None, help="output directory [default: bench-results/<time>]")
     p.set_defaults(func=cmd_bench)
@@ -80,7 +91,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          sampling=sampling, k_sweep=args.k_sweep, max_k=args.max_k, hf=not args.no_hf,
                          ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
                          ngram=not args.no_ngram, threads=args.threads, chat=args.chat,
-                         out_dir=out)
+                         precisions=args.precisions, draft_vocabs=args.draft_vocabs, ngram_first=args.ngram_first,
+                         hopeless=args.hopeless, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
     rows, paths = run(config)
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

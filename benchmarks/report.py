@@ -93,7 +93,7 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 def markdown(rows: list[dict], meta: dict) -> str:
     greedy = "identical_to_baseline" in (rows[0] if rows else {})
     head = ["method", "K", "tok/s (median)", "speedup", "acceptance", "α", "mean acc. len", "fwd/token", "c",
-            "theory", "efficiency"] + (["= baseline"] if greedy else []) + ["Ray ÷ in-process"]
+            "theory", "efficiency"] + (["= baseline"] if greedy else []) + ["÷ paired run"]
     lines = [f"# specdec bench: {meta['target']} (draft {meta['draft']})", "",
              f"{meta['num_prompts']} prompts ({meta['prompts']}), {meta['max_tokens']} new tokens, "
              f"{'greedy' if greedy else 'temperature ' + str(meta['temperature'])}, {meta['device']}, "

@@ -63,6 +63,13 @@ class BenchConfig:
     ray_tps: tuple[int, ...] = (1, 2)
     ray_placements: tuple[str, ...] = RAY_PLACEMENTS
     threads: int | None = None
+    # The draft levers, each a row on the same prompts: fixed draft precisions, reduced draft
+    # vocabularies (FR-Spec), prompt lookup in front of the draft, and a hopeless (random-init) draft.
+    precisions: tuple[str, ...] = ()
+    draft_vocabs: tuple[int, ...] = ()
+    ngram_first: tuple[int, ...] = ()
+    hopeless: int = 0  # prompts for the random-init draft vs target-only phase (0: skip)
+    hf_prompt_lookup: bool = True
     chat: bool = False
     out_dir: Path = Path("bench-results")
     warmup: bool = True
@@ -76,6 +83,13 @@ class BenchConfig:
             raise ValueError(f"every tensor parallel size must be >= 1, got {self.ray_tps}")
         if self.ray_tps:
             check_ray_placements(self.ray_placements)
+        from specdec.config import DRAFT_PRECISIONS
+
+        bad = [p for p in self.precisions if p not in DRAFT_PRECISIONS or p == "auto"]
+        if bad:
+            raise ValueError(f"--precisions: each is one of none, bfloat16, int8, int8-weight; got {','.join(bad)}")
+        if any(n < 1 for n in self.draft_vocabs) or any(n < 1 for n in self.ngram_first) or self.hopeless < 0:
+            raise ValueError("--draft-vocabs and --ngram-first take integers >= 1, --hopeless one >= 0")
         if self.draft in ("none", "ngram"):
             raise ValueError("the benchmark needs a draft model (n-gram lookup is always included)")
 
@@ -133,11 +147,13 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     methods = []
     if config.hf:
         methods += [HFGenerate(BASELINE, target.model, eos),
-                    HFGenerate("hf-assisted", target.model, eos, assistant_model=draft.model),
-                    HFGenerate("hf-prompt-lookup", target.model, eos, prompt_lookup_num_tokens=10)]
+                    HFGenerate("hf-assisted", target.model, eos, assistant_model=draft.model)]
+        if config.hf_prompt_lookup:
+            methods.append(HFGenerate("hf-prompt-lookup", target.model, eos, prompt_lookup_num_tokens=10))
     methods.append(Specdec(REFERENCE, plain, None))
     methods += [Specdec(f"specdec-k{k}", spec, k) for k in config.k_sweep]
-    methods.append(Specdec("specdec-auto", spec, "auto"))
+    methods.append(Specdec(f"specdec-auto (default: {_draft_label(spec)})", spec, "auto"))
+    methods += _lever_methods(config, engine_config, target, draft)
     if config.ngram:
         ngram = SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"), target)
         methods.append(Specdec("specdec-ngram", ngram, "auto"))
@@ -146,6 +162,11 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     if config.warmup:
         _warm(methods, prompt_ids[0])
     _interleave(methods, prompt_ids, sampling, results, "bench")
+
+    if config.hopeless:
+        methods = [m for m in methods if getattr(m, "engine", None) is spec]  # free the levers' drafts (memory)
+        gc.collect()
+        _hopeless_phase(config, engine_config, target, draft, plain, prompt_ids[:config.hopeless], sampling, results)
 
     if config.ray_tps:
         del methods, plain
@@ -168,7 +189,8 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
         "num_prompts": len(config.prompts), "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
         "top_p": sampling.top_p, "top_k": sampling.top_k, "chat": config.chat, "baseline": baseline,
         "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
-        "draft_quantization": spec.draft_quantization, "torch": torch.__version__, "python": platform.python_version(),
+        "draft_quantization": spec.draft_quantization,
+        "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration], "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - started, 1),
         "command": " ".join(sys.argv),
     }
@@ -176,6 +198,61 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
                                                  "tokens_per_second": round(r.tokens_per_second, 3)}
                          for r in method_runs] for name, method_runs in results.runs.items()}
     return rows, report.write(config.out_dir, rows, meta, per_prompt)
+
+
+def _draft_label(engine) -> str:
+    label = f"draft {engine.draft_quantization}"
+    if engine.draft_vocab_size:
+        label += f", vocab {engine.draft_vocab_size}"
+    if engine.config.ngram_first:
+        label += f", n-gram {engine.config.ngram_first}+ first"
+    return label
+
+
+def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, draft) -> list:
+    """One auto-K row per lever. Fixed precisions share one prepared copy of the draft each; the
+    vocabulary and prompt-lookup rows run on the bfloat16 draft (or the first precision asked)."""
+    from specdec.draft_precision import prepare_draft
+
+    methods, prepared = [], {}
+    for precision in config.precisions:
+        model = prepare_draft(draft.model, precision)
+        prepared[precision] = dataclasses.replace(draft, model=model) if model is not draft.model else draft
+        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_quantization="none"), target,
+                                   prepared[precision])
+        methods.append(Specdec(f"specdec-auto (draft {precision})", engine, "auto", group="precision"))
+    base_precision = "bfloat16" if "bfloat16" in prepared else (config.precisions[0] if config.precisions else "auto")
+    base = prepared.get(base_precision, draft)
+    as_prepared = "none" if base is not draft else engine_config.draft_quantization
+    for n in config.draft_vocabs:  # a prepared (packed) model cannot be copied: prepare from the loaded one
+        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_vocab_size=n,
+                                                       draft_quantization=base_precision), target, draft)
+        methods.append(Specdec(f"specdec-auto (draft {base_precision}, vocab {engine.draft_vocab_size})", engine,
+                               "auto", group="vocab"))
+    for n in config.ngram_first:
+        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_quantization=as_prepared,
+                                                       ngram_first=n), target, base)
+        methods.append(Specdec(f"specdec-auto (draft {base_precision}, n-gram {n}+ first)", engine, "auto",
+                               group="hybrid"))
+    return methods
+
+
+def _hopeless_phase(config: BenchConfig, engine_config: EngineConfig, target, draft, plain, prompt_ids,
+                    sampling, results: Results) -> None:
+    """A random-init draft of the real draft's shape (it agrees with the target by chance only) at
+    the default settings, paired prompt by prompt with target-only decoding."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(draft.model.config, dtype=draft.dtype).eval()
+    hopeless = SpeculativeEngine(engine_config, target, dataclasses.replace(draft, model=model, source="random-init"))
+    methods = [Specdec(f"{REFERENCE} (pair of the random-init draft)", plain, None, group="hopeless"),
+               Specdec(f"specdec-auto (random-init draft, {hopeless.draft_quantization})", hopeless, "auto",
+                       group="hopeless")]
+    if config.warmup:
+        _warm(methods, prompt_ids[0])
+    _interleave(methods, prompt_ids, sampling, results, "bench random-init draft")
+    results.paired[methods[1].name] = methods[0].name
 
 
 def _drop_mkl_weights(model) -> None:

@@ -10,8 +10,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from actors.config import DRAFT_PLACEMENTS, RayEngineConfig, RolePlacement
-from specdec.config import EngineConfig, env
-from specdec.kernels import DRAFT_QUANTIZATIONS, LINEAR_KERNELS
+from specdec.config import DRAFT_PRECISIONS as DRAFT_QUANTIZATIONS, EngineConfig, env
+from specdec.kernels import LINEAR_KERNELS
 from specdec.presets import DEFAULT_TARGET, short_name, suggest_draft
 
 
@@ -47,7 +47,12 @@ class ServeOptions(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads per actor [default on CPU: the cores "
                                                         "divided among the replicas' shards]")
     linear_kernel: Literal[LINEAR_KERNELS] = "auto"
-    draft_quantization: Literal[DRAFT_QUANTIZATIONS] = "auto"
+    draft_quantization: Literal[DRAFT_QUANTIZATIONS] = Field(
+        "auto", description="draft precision: none, bfloat16, int8, int8-weight, or auto (measured at load)")
+    draft_vocab: int | None = Field(None, ge=1, description="the draft proposes from the N most frequent tokens "
+                                                            "[default: all]")
+    ngram_first: int = Field(0, ge=0, description="prompt-lookup matches of N+ tokens propose before the draft "
+                                                  "model (0 = off)")
     trust_remote_code: bool = Field(False, description="run Python code shipped with a model (auto_map)")
     allow_pickle_weights: bool = Field(False, description="load .bin/.pt pickle weights when a model has no "
                                                           "safetensors (pickles can run code as they load)")
@@ -98,7 +103,8 @@ class ServeOptions(BaseModel):
         return EngineConfig(target=self.target, draft=self.draft, num_speculative_tokens=self.k,
                             max_speculative_tokens=self.max_k, device=self.device, dtype=self.dtype,
                             num_threads=self.threads, linear_kernel=self.linear_kernel,
-                            draft_quantization=self.draft_quantization, trust_remote_code=self.trust_remote_code,
+                            draft_quantization=self.draft_quantization, draft_vocab_size=self.draft_vocab,
+                            ngram_first=self.ngram_first, trust_remote_code=self.trust_remote_code,
                             allow_pickle_weights=self.allow_pickle_weights,
                             # The replica's concurrent requests are decoded as one batch.
                             max_batch_size=self.max_ongoing_requests,

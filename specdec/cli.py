@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 
+from specdec.config import DRAFT_PRECISIONS
 from specdec.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
@@ -31,6 +32,13 @@ def _positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _positive_int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -63,8 +71,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes "
                         "nearly as cheap as one token; hybrid also keeps MKL for 1-3 rows (2x weight memory) "
                         "[default: auto = hybrid/onednn when speculating on CPU fp32, else torch]")
-    g.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8"],
-                   help="quantize the draft model (lossless: it only proposes) [default: auto = int8 on CPU]")
+    g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
+                   help="precision of the draft model (lossless: it only proposes): none (as loaded), bfloat16 "
+                        "(oneDNN), int8 (dynamic), int8-weight (weight-only) [default: auto = the best expected "
+                        "speedup, measured at load time on the CPU]")
+    g.add_argument("--draft-vocab", type=_positive_int, default=None, metavar="N",
+                   help="the draft proposes from the N most frequent tokens only (FR-Spec; exact: the target "
+                        "still verifies over the whole vocabulary) [default: the whole vocabulary]")
+    g.add_argument("--ngram-first", type=_non_negative_int, default=0, metavar="N",
+                   help="a prompt-lookup match of at least N tokens proposes for free before the draft model "
+                        "(0 = off) [default: 0]")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run Python code shipped with a model (auto_map in its config); only for code you have read")
     g.add_argument("--allow-pickle-weights", action="store_true",
@@ -143,6 +159,8 @@ def engine_config_from_args(args: argparse.Namespace):
         num_threads=args.threads,
         linear_kernel=args.linear_kernel,
         draft_quantization=args.draft_quantization,
+        draft_vocab_size=args.draft_vocab,
+        ngram_first=args.ngram_first,
         trust_remote_code=args.trust_remote_code,
         allow_pickle_weights=args.allow_pickle_weights,
     )

@@ -67,6 +67,9 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+#: What the draft model may run in (`draft_precision.py`); `auto` measures at load time.
+DRAFT_PRECISIONS = ("auto", "none", "bfloat16", "int8", "int8-weight")
+
 #: `num_speculative_tokens` accepts an int or this string.
 AUTO = "auto"
 
@@ -90,7 +93,11 @@ class EngineConfig:
     ngram_max: int = 4
     # Kernels (see kernels.py): how the target's linear layers run, and whether the draft is quantized.
     linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
-    draft_quantization: str = "auto"  # auto (int8 on CPU) | none | int8
+    draft_quantization: str = "auto"  # auto (measured, on CPU) | none | bfloat16 | int8 | int8-weight
+    # The draft proposes from the N most frequent tokens (FR-Spec; None: the whole vocabulary).
+    draft_vocab_size: int | None = None
+    # Prompt-lookup matches of at least this many tokens propose before the draft model (0: never).
+    ngram_first: int = 0
     trust_remote_code: bool = False  # run a model's own Python code (auto_map)
     allow_pickle_weights: bool = False  # load .bin/.pt pickles when a model has no safetensors
     # Batching (scheduler.py): requests decoded together per step, and the target tokens one step (or
@@ -121,12 +128,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.num_threads!r}")
-        from specdec.kernels import DRAFT_QUANTIZATIONS, LINEAR_KERNELS
+        from specdec.kernels import LINEAR_KERNELS
 
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {self.linear_kernel!r}")
-        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}; "
+        if self.draft_quantization not in DRAFT_PRECISIONS:
+            raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_PRECISIONS)}; "
                              f"got {self.draft_quantization!r}")
         for name in ("max_batch_size", "max_batch_tokens"):
             value = getattr(self, name)
@@ -135,6 +142,11 @@ class EngineConfig:
         if self.max_batch_tokens < self.max_batch_size:
             raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_batch_size "
                              f"({self.max_batch_size}): every request in the batch feeds at least one token a step")
+        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or not isinstance(
+                self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ValueError(f"draft vocabulary size must be an integer >= 1 (or None: all), got {self.draft_vocab_size!r}")
+        if isinstance(self.ngram_first, bool) or not isinstance(self.ngram_first, int) or self.ngram_first < 0:
+            raise ValueError(f"ngram_first must be an integer >= 0 (0: off), got {self.ngram_first!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 

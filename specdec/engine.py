@@ -30,12 +30,13 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.kernels import apply_linear_kernel, choose_draft_quantization, choose_linear_kernel, quantize_int8
+from specdec.draft import build_draft
+from specdec.kernels import apply_linear_kernel, choose_linear_kernel
 from specdec.model_runner import ModelRunner
-from specdec.models import LoadedModel, check_same_vocabulary, load_model, select_device, set_threads
+from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, TargetPool
 from specdec.prompt import Prompt, resolve_prompt, tokenize_prompt
-from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers import DraftModelProposer, HybridProposer
 from specdec.request import GenerationRequest, as_request
 from specdec.scheduler import Scheduler, received
 from specdec.sequence import GenerationOutput, StreamChunk
@@ -61,22 +62,12 @@ class SpeculativeEngine:
                                                   speculating=config.draft != "none", tensor_parallel=False)
         apply_linear_kernel(target.model, self.linear_kernel)
         self.target = ModelRunner(target)
-        self.draft_model = draft
-        self.draft_quantization = "none"
-        if config.draft == "none":
-            self.proposer = None
-        elif config.draft == "ngram":
-            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        else:
-            if draft is None:
-                raise ValueError(f"draft {config.draft!r} is a model but none was loaded")
-            check_same_vocabulary(target.tokenizer, draft.tokenizer, target.spec, draft.spec)
-            self.draft_quantization = choose_draft_quantization(config.draft_quantization, draft.model)
-            if self.draft_quantization == "int8":
-                # A quantized copy: the loaded draft (possibly the target itself) stays as it was.
-                draft = dataclasses.replace(draft, model=quantize_int8(draft.model))
-                self.draft_model = draft
-            self.proposer = DraftModelProposer(ModelRunner(draft, vocab_size=self.target.vocab_size))
+        built = build_draft(config, draft, self.target.vocab_size, target=target)
+        self.proposer = built.proposer
+        self.draft_quantization = built.precision
+        self.draft_vocab_size = built.vocab_size
+        self.draft_calibration = built.measurements
+        self.draft_model = built.model
         self.costs = CostModel()
         pool = TargetPool(self.target)
         self.target_pool = pool
@@ -92,7 +83,8 @@ class SpeculativeEngine:
 
     @property
     def draft_device(self) -> torch.device:
-        return self.proposer.runner.device if isinstance(self.proposer, DraftModelProposer) else torch.device("cpu")
+        return self.proposer.runner.device if isinstance(self.proposer, (DraftModelProposer, HybridProposer)) \
+            else torch.device("cpu")
 
     @classmethod
     def from_pretrained(
@@ -236,7 +228,7 @@ class LocalDraft:
 
     def __init__(self, pool: DraftPool, device: torch.device) -> None:
         self.pool, self.device = pool, device
-        self.per_token = isinstance(pool.proposer, DraftModelProposer)
+        self.per_token = isinstance(pool.proposer, (DraftModelProposer, HybridProposer))
 
     def submit_propose(self, rows):
         results = self.pool.propose(rows)

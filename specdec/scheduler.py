@@ -293,7 +293,11 @@ class Scheduler:
                 draft_rows.append(i)
         draft_seconds = None
         if draft_rows:
-            rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling)
+            # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per
+            # row, within max_tokens, the context and the step's token budget.
+            spare = max(0, self.max_batch_tokens - sum(k + 1 for k in ks)) // len(draft_rows)
+            rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling,
+                             max(ks[i], min(batch[i].seq.clamp_k(self.config.k_max, self.max_context), ks[i] + spare)))
                     for i in draft_rows]
             try:
                 results = self.draft.submit_propose(rows)()

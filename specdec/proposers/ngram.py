@@ -47,8 +47,13 @@ class NgramProposer:
 def find_continuation(context_token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
     """Up to `num_tokens` ids that followed the most recent earlier occurrence of the longest
     suffix n-gram (max_n down to min_n) of the context; [] when nothing matches."""
+    return find_match(context_token_ids, num_tokens, min_n, max_n)[0]
+
+
+def find_match(context_token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """`find_continuation`, and the length n of the suffix that matched (0: no match)."""
     if num_tokens <= 0:
-        return []
+        return [], 0
     tokens = np.asarray(context_token_ids, dtype=np.int64)
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -58,5 +63,5 @@ def find_continuation(context_token_ids: Sequence[int], num_tokens: int, min_n: 
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + num_tokens].tolist()
-    return []
+            return tokens[start : start + num_tokens].tolist(), n
+    return [], 0

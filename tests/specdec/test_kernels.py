@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.kernels import PackedLinear, pack_linears, quantize_int8, stock_linears
+from specdec.draft_precision import prepare_draft
+from specdec.kernels import PackedLinear, pack_linears, stock_linears
 from specdec.models import load_model
 
 
@@ -45,7 +46,7 @@ def test_greedy_equals_hf_with_every_kernel(tiny_qwen2, tiny_qwen2_draft, kernel
 
 def test_int8_draft_is_a_copy(tiny_llama):
     loaded = load_model(str(tiny_llama))
-    quantized = quantize_int8(loaded.model)
+    quantized = prepare_draft(loaded.model, "int8")
     assert type(loaded.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert type(quantized.model.layers[0].mlp.up_proj) is not torch.nn.Linear
 
