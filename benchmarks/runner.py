@@ -152,7 +152,7 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
             methods.append(HFGenerate("hf-prompt-lookup", target.model, eos, prompt_lookup_num_tokens=10))
     methods.append(Specdec(REFERENCE, plain, None))
     methods += [Specdec(f"specdec-k{k}", spec, k) for k in config.k_sweep]
-    methods.append(Specdec(f"specdec-auto (default: {_draft_label(spec)})", spec, "auto"))
+    methods.append(Specdec("specdec-auto", spec, "auto"))  # the defaults; its draft: meta["draft_quantization"]
     methods += _lever_methods(config, engine_config, target, draft)
     if config.ngram:
         ngram = SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"), target)
@@ -198,15 +198,6 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
                                                  "tokens_per_second": round(r.tokens_per_second, 3)}
                          for r in method_runs] for name, method_runs in results.runs.items()}
     return rows, report.write(config.out_dir, rows, meta, per_prompt)
-
-
-def _draft_label(engine) -> str:
-    label = f"draft {engine.draft_quantization}"
-    if engine.draft_vocab_size:
-        label += f", vocab {engine.draft_vocab_size}"
-    if engine.config.ngram_first:
-        label += f", n-gram {engine.config.ngram_first}+ first"
-    return label
 
 
 def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, draft) -> list:

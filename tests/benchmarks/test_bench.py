@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+
+from benchmarks.runner import BenchConfig
 from specdec.cli import main
 
 
@@ -73,3 +76,29 @@ def test_bench_concurrency_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_ses
     assert (out / "throughput_vs_concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| specdec-batched | 3 |" in capsys.readouterr().out
     assert main(["bench", "--concurrency", "0"]) == 2
+
+
+def test_bench_levers(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
+    """Each draft lever is a row on the same prompts; the random-init draft is paired with target-only."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"w5 w6 w7 w8 w5 w6 w7 w8"\n"w3 w1 w2 w3 w1 w2 w3"\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
+                 "--max-tokens", "16", "--k-sweep", "", "--no-ray", "--no-prompt-lookup", "--no-ngram",
+                 "--precisions", "none,int8-weight", "--draft-vocabs", "40", "--ngram-first", "3", "--hopeless", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in data["summary"]}
+    assert data["meta"]["draft_calibration"]  # auto measured its candidates
+    levers = [name for name in rows if name.startswith("specdec-auto (")]
+    assert {"specdec-auto (draft none)", "specdec-auto (draft int8-weight)"} <= set(levers)
+    assert any("vocab" in name for name in levers) and any("n-gram 3+ first" in name for name in levers)
+    hopeless = [name for name in rows if "random-init" in name]
+    assert len(hopeless) == 2 and all(rows[name]["prompts"] == 1 for name in hopeless)
+    paired = next(name for name in hopeless if name.startswith("specdec-auto"))
+    assert rows[paired]["vs_in_process"] > 0
+    for name, row in rows.items():
+        assert row["identical_to_baseline"] == row["prompts"], name  # greedy: same tokens as HF target-only
+    with pytest.raises(ValueError, match="--precisions"):
+        BenchConfig(target="t", draft="d", prompts=("x",), prompts_source="-", precisions=("int4",))

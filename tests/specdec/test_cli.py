@@ -64,6 +64,7 @@ def test_json_matches_python_api(tiny_llama, capsys):
     (["--k", "0"], "k must be"),
     (["--max-tokens", "600"], "exceeds the model's context"),
     (["--chat"], "no chat template"),
+    (["--draft-vocab", "0"], "draft vocabulary size"),
 ])
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
     assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
@@ -74,6 +75,25 @@ def test_bad_k_syntax_exits_2(tiny_llama, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--target", str(tiny_llama), "--k", "lots", "w1"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("args", [["--ngram-first", "-1"], ["--draft-quantization", "int4"], ["--draft-vocab", "x"]])
+def test_bad_draft_lever_syntax_exits_2(tiny_llama, capsys, args):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", str(tiny_llama), *args, "w1"])
+    assert e.value.code == 2
+    assert args[0] in capsys.readouterr().err
+
+
+def test_draft_levers_from_the_command_line(tiny_llama, tiny_llama_draft, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    base = ["generate", "--target", str(tiny_llama), "--max-tokens", "24", "--json", "w5 w6 w7 w5 w6 w7 w5"]
+    assert main([*base, "--draft", "none"]) == 0
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*base, "--draft", str(tiny_llama_draft), "--draft-quantization", "int8-weight", "--draft-vocab",
+                 "50", "--ngram-first", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == expected and out["speculative"]["num_draft_tokens"] > 0
 
 
 def test_empty_prompt_exits_2(tiny_llama, capsys):
