@@ -19,9 +19,14 @@ MAX_TOKENS = 40
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
+DRAFT_PRECISION = "int8-weight"
+
 @pytest.fixture(scope="module")
 def in_process(tiny_llama, tiny_llama_draft):
-    return SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4)
+    # A fixed draft precision: `auto` measures timings at load, so two engines may choose differently,
+    # and seeded sampling is bit-identical only with the same draft proposals.
+    return SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4,
+                                             draft_quantization=DRAFT_PRECISION)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,8 @@ def ray_engines(ray_session, tiny_llama, tiny_llama_draft):
     def get(tp: int, pipeline: bool, draft: str | None = None, k=4, placement: str = "separate"):
         key = (tp, pipeline, draft, k, placement)
         if key not in built:
-            config = EngineConfig(target=str(tiny_llama), draft=draft or str(tiny_llama_draft), num_speculative_tokens=k)
+            config = EngineConfig(target=str(tiny_llama), draft=draft or str(tiny_llama_draft), num_speculative_tokens=k,
+                                  draft_quantization=DRAFT_PRECISION)
             small = RolePlacement(num_cpus=0.1, num_threads=1)  # several engines share the 2 test CPUs
             built[key] = build_ray_engine(RayEngineConfig(engine=config, tp_size=tp, pipeline=pipeline, draft=small,
                                                           target=small, draft_placement=placement))
