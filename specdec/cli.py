@@ -256,17 +256,14 @@ def cmd_models_rm(args: argparse.Namespace) -> int:
 
 
 def quiet_libraries() -> None:
+    """Silence library chatter without importing the libraries (`models list` must not import torch):
+    transformers reads TRANSFORMERS_VERBOSITY when it is first imported; a user's own setting wins."""
     import os
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

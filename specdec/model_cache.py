@@ -89,7 +89,8 @@ def check(name: str) -> tuple[str, str]:
     try:
         from safetensors import safe_open
 
-        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        # framework="numpy": reading the header must not import torch (`models list` stays fast)
+        with safe_open(str(directory / "model.safetensors"), framework="numpy") as f:
             if not list(f.keys()):
                 return "corrupt", "model.safetensors holds no tensors"
     except Exception as e:  # noqa: BLE001 - any failure to parse the header is corruption
