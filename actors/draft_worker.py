@@ -32,7 +32,7 @@ class DraftWorker:
         loaded = None
         if config.draft != "ngram":
             loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code,
-                                allow_pickle=config.allow_pickle_weights)
+                                allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
         built = build_draft(config, loaded, target_vocab_size, target=target)
         self.quantization = built.precision
         proposer, device = built.proposer, built.device

@@ -19,8 +19,9 @@ from datetime import timedelta
 
 import torch
 
+from specdec import startup
 from specdec.config import EngineConfig
-from specdec.kernels import apply_linear_kernel, choose_linear_kernel
+from specdec.kernels import prepare_target
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, select_device, set_threads
 from specdec.pools import TargetPool, TargetRow
@@ -52,6 +53,7 @@ class TargetShard:
         self.draft = None  # actors.draft_worker.DraftWorker, when the draft is colocated here
         self.runner: ModelRunner | None = None
         self.pool: TargetPool | None = None
+        self.startup_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------- set-up
 
@@ -70,6 +72,11 @@ class TargetShard:
 
     def setup(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> dict:
         """Join the process group (tp > 1) and load this rank's slice of the target."""
+        with startup.recording() as self.startup_seconds:
+            self._setup(master_addr, master_port, timeout_s)
+        return self.describe()
+
+    def _setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
         device = select_device(self.config.device)
         if self.world_size > 1:
             import torch.distributed as dist
@@ -87,12 +94,16 @@ class TargetShard:
             kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
             check_tp_divides(AutoConfig.from_pretrained(resolved.path, trust_remote_code=self.config.trust_remote_code,
                                                         **kwargs), self.world_size)
+        kernel: list[str] = []
+
+        def prepare(model: torch.nn.Module) -> None:  # in a thread, while the tokenizer loads
+            kernel.append(prepare_target(model, self.config.linear_kernel, speculating=self.config.draft != "none",
+                                         tensor_parallel=self.world_size > 1))
+
         loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
-                            tensor_parallel=self.world_size > 1, allow_pickle=self.config.allow_pickle_weights)
-        self.linear_kernel = choose_linear_kernel(self.config.linear_kernel, loaded.model,
-                                                  speculating=self.config.draft != "none",
-                                                  tensor_parallel=self.world_size > 1)
-        apply_linear_kernel(loaded.model, self.linear_kernel)
+                            tensor_parallel=self.world_size > 1, allow_pickle=self.config.allow_pickle_weights,
+                            role="target", prepare=prepare)
+        self.linear_kernel = kernel[0]
         self.runner = ModelRunner(loaded)
         self.pool = TargetPool(self.runner)
         if self.host_draft:
@@ -102,7 +113,6 @@ class TargetShard:
             # unsharded target is at hand for `auto` draft precision to measure acceptance against.
             self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads(),
                                      target=loaded if self.world_size == 1 else None)
-        return self.describe()
 
     def describe(self) -> dict:
         loaded = self.runner.loaded
@@ -116,6 +126,7 @@ class TargetShard:
             "linear_kernel": self.linear_kernel,
             "world_size": self.world_size,
             "draft": self.draft.ready() if self.draft is not None else None,
+            "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
         }
 
     # ------------------------------------------------------------------------------ serving

@@ -100,6 +100,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if spec not in ("ngram", "none"):
             resolve_spec(spec)  # a missing path fails here (exit 2), not in a replica
     started = time.monotonic()
+    phases: dict[str, float] = {}  # what the ready line breaks the start-up into
+
+    def phase(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = phases.get(name, 0.0) + now - since
+        return now
 
     import ray
     from ray import serve
@@ -110,9 +116,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if not address:
         _check_metrics_exportable(args.metrics_port)  # before the (slow) model pulls
+    mark = phase("imports", started)
     prepare_models(options.ray_engine_config())  # pulls presets here, with progress bars
+    mark = phase("model cache", mark)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines drown the ready line
     ensure_ray(address, metrics_export_port=args.metrics_port)
+    mark = phase("Ray", mark)
     metrics_url = f"http://{_display_host(args.host) if not address else _node_ip()}:{metrics_export_port()}/metrics"
     if address and metrics_export_port() != args.metrics_port:
         _say(f"joined a Ray cluster: its metrics export port is {metrics_export_port()} (--metrics-port applies to "
@@ -121,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
+        mark = phase("Serve", mark)
         _say(f"loading {options.target} (draft {options.draft}, K {options.k}, tp {options.tp}, "
              f"{options.replicas} replica{'s' if options.replicas > 1 else ''}) ...")
         try:
@@ -132,13 +142,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         base = f"http://{_display_host(args.host)}:{args.port}"
         try:
             _wait_healthy(base)
+            mark = phase("replicas", mark)
             _wait_metrics(metrics_url)
+            phase("metrics", mark)
         except RuntimeError as e:
             _say(f"error: {e}")
             return 1
         stop.serving = True
         _say(f"ready in {time.monotonic() - started:.1f}s: {base}/v1 (model {options.served_model_name!r}"
              f"{', API key required' if options.api_key else ''}), metrics at {metrics_url}; Ctrl-C to stop")
+        _say_startup(phases, base, options.api_key)
         print(f"{base}/v1", flush=True)
         print(metrics_url, flush=True)
         while not stop.wait(1.0):
@@ -202,6 +215,8 @@ def _check_metrics_exportable(port: int) -> None:
         raise CliError(f"Ray's metrics agent cannot export metrics with this Ray install ({missing}); "
                        "install Ray's default components: pip install 'ray[serve]'")
     with socket.socket() as s:
+        # As a server binds: a connection of the last run still in TIME_WAIT must not fail a restart.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
         except OSError as e:
@@ -243,6 +258,24 @@ def _last_error_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line.split(":")[0]]
     return (errors or lines or ["unknown error"])[-1][:500]
+
+
+def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> None:
+    """Where the start-up went: this process's phases, then a replica's engine stages (from /v1/models)."""
+    import httpx
+
+    from specdec.startup import summary
+
+    line = f"start-up: {summary(phases)}"
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        card = httpx.get(f"{base}/v1/models", headers=headers, timeout=10).json()["data"][0]
+        stages = card["specdec"].get("startup_seconds") or {}
+        if stages:
+            line += f"; in the replica (target shard): {summary(stages)}"
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        pass  # the breakdown is a courtesy: never fail a started service over it
+    _say(line)
 
 
 def _say(message: str) -> None:

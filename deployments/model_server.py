@@ -53,7 +53,8 @@ class ModelServer:
         """The engine's facts for /v1/models: context length, device, K policy, placement."""
         return {**self.options.describe(self.config), "max_context": self.info["max_context"],
                 "device": self.info["device"], "dtype": self.info["dtype"],
-                "linear_kernel": self.info["linear_kernel"]}
+                "linear_kernel": self.info["linear_kernel"],
+                "startup_seconds": self.info.get("startup_seconds", {})}  # the target shard's stages
 
     async def request_counts(self) -> dict:
         """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""

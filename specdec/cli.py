@@ -69,8 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (set it to your physical cores; oversubscription is slow)")
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "hybrid"],
                    help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes "
-                        "nearly as cheap as one token; hybrid also keeps MKL for 1-3 rows (2x weight memory) "
-                        "[default: auto = hybrid/onednn when speculating on CPU fp32, else torch]")
+                        "nearly as cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL for 1-3 "
+                        "rows [default: auto = onednn when speculating on CPU fp32, else torch]")
     g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
                    help="precision of the draft model (lossless: it only proposes): none (as loaded), bfloat16 "
                         "(oneDNN), int8 (dynamic), int8-weight (weight-only) [default: auto = the best expected "
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s")
+    if logging.getLogger().level == logging.WARNING:  # the default: still show where start-up time goes
+        logging.getLogger("specdec.startup").setLevel(logging.INFO)
     quiet_libraries()
     try:
         return args.func(args)

@@ -18,6 +18,7 @@ from specdec.draft_precision import Measurement, choose_precision, prepare_draft
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from specdec.startup import stage
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,14 @@ def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_si
         vocab_ids = draft_token_ids(draft.tokenizer, min(draft.vocab_size, target_vocab_size), config.draft_vocab_size)
     precision, measurements = config.draft_quantization, []
     if precision == "auto":
-        precision, measurements = choose_precision(
-            draft.model, draft.tokenizer, draft_source=draft.source,
-            target_model=target.model if target is not None else None,
-            target_source=target.source if target is not None else "", vocab_token_ids=vocab_ids, k_max=config.k_max)
-    model = prepare_draft(draft.model, precision, vocab_ids)
+        with stage("choose draft precision", "auto"):
+            precision, measurements = choose_precision(
+                draft.model, draft.tokenizer, draft_source=draft.source,
+                target_model=target.model if target is not None else None,
+                target_source=target.source if target is not None else "", vocab_token_ids=vocab_ids,
+                k_max=config.k_max)
+    with stage("prepare draft", precision + ("" if vocab_ids is None else f", {vocab_ids.numel()}-token vocabulary")):
+        model = prepare_draft(draft.model, precision, vocab_ids, source=draft.source)
     prepared = dataclasses.replace(draft, model=model) if model is not draft.model else draft
     proposer = DraftModelProposer(ModelRunner(prepared, vocab_size=target_vocab_size))
     if config.ngram_first:

@@ -94,10 +94,52 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def prepare_draft(model: torch.nn.Module, precision: str, vocab_token_ids: torch.Tensor | None = None) -> torch.nn.Module:
+#: Precisions whose prepared tensors are cached on disk (`prepared_weights.py`): the ones whose
+#: preparation computes. int8 dynamic keeps float32 tensors (fbgemm packs them in memory), `none` too.
+CACHED_PRECISIONS = ("int8-weight", "bfloat16")
+
+
+def shallow_copy(model: torch.nn.Module, device: str | None = None) -> torch.nn.Module:
+    """A copy of `model`'s modules and config over the SAME parameter tensors (no weight is copied;
+    tied parameters stay tied). Converting the copy (`.to`, replacing modules) leaves `model` as it
+    is. `device="meta"`: over empty meta tensors instead, a skeleton to load prepared weights into."""
+    memo = {}
+    for p in model.parameters():
+        data = torch.empty_like(p, device="meta") if device == "meta" else p.detach()
+        memo[id(p)] = torch.nn.Parameter(data, requires_grad=False)
+    return copy.deepcopy(model, memo)
+
+
+def _convert(draft: torch.nn.Module, precision: str, vocab_token_ids: torch.Tensor | None) -> torch.nn.Module:
+    """The plain-tensor part of preparing (cacheable): dtype, reduced vocabulary, int8 weights."""
+    if precision in ("bfloat16", "int8-weight"):
+        draft.to(torch.bfloat16)
+    if vocab_token_ids is not None:
+        from specdec.draft_vocab import restrict_vocab
+
+        restrict_vocab(draft, vocab_token_ids)
+    if precision == "int8-weight":
+        replace_linears(draft, Int8WeightLinear, torch.bfloat16)
+    return draft
+
+
+def _finalize(draft: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The in-memory kernel layouts (not cacheable: opaque to safetensors)."""
+    if precision == "int8":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notices: the kernels are what we want
+            draft = torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    elif precision == "bfloat16" and onednn_available():
+        pack_linears(draft, keep_weight=False, batch_hint=1, dtype=torch.bfloat16)
+    return draft.eval()
+
+
+def prepare_draft(model: torch.nn.Module, precision: str, vocab_token_ids: torch.Tensor | None = None,
+                  source: str = "") -> torch.nn.Module:
     """The draft model to propose with: `model` itself (`none`, full vocabulary) or a copy at
     `precision`, its head restricted to `vocab_token_ids` when given. `model` is never modified (it
-    may be the target, or shared with other engines)."""
+    may be the target, or shared with other engines). With `source` (the directory `model` was
+    loaded from), the prepared tensors are read from / written to the on-disk cache."""
     check_precision(precision)
     if precision == "auto":
         raise ValueError("resolve 'auto' with choose_precision first")
@@ -106,22 +148,18 @@ def prepare_draft(model: torch.nn.Module, precision: str, vocab_token_ids: torch
         raise ValueError(f"the {precision} draft precision runs on the CPU only")
     if precision == "none" and vocab_token_ids is None:
         return model
-    draft = copy.deepcopy(model)
-    if precision in ("bfloat16", "int8-weight"):
-        draft.to(torch.bfloat16)
-    if vocab_token_ids is not None:
-        from specdec.draft_vocab import restrict_vocab
+    cache = bool(source) and precision in CACHED_PRECISIONS and Path(source).is_dir()
+    if cache:
+        from specdec import prepared_weights
 
-        restrict_vocab(draft, vocab_token_ids)
-    if precision == "int8":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notices: the kernels are what we want
-            draft = torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-    elif precision == "bfloat16" and onednn_available():
-        pack_linears(draft, keep_weight=False, batch_hint=1, dtype=torch.bfloat16)
-    elif precision == "int8-weight":
-        replace_linears(draft, Int8WeightLinear, torch.bfloat16)
-    return draft.eval()
+        key = prepared_weights.key_for(source, precision, vocab_token_ids)
+        draft = prepared_weights.load(_convert(shallow_copy(model, "meta"), precision, vocab_token_ids), key)
+        if draft is not None:
+            return _finalize(draft, precision)
+    draft = _convert(shallow_copy(model), precision, vocab_token_ids)
+    if cache:
+        prepared_weights.save(draft, key)
+    return _finalize(draft, precision)
 
 
 @dataclass(frozen=True)
@@ -223,15 +261,6 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def _weights_id(source: str) -> list:
-    """Where a model came from and its weight files' sizes and times: a changed model is a new key."""
-    path = Path(source)
-    if not path.is_dir():
-        return [source]
-    return [str(path)] + sorted([p.name, p.stat().st_size, int(p.stat().st_mtime)]
-                                for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".json"))
-
-
 def choose_precision(draft_model: torch.nn.Module, tokenizer, *, draft_source: str = "",
                      target_model: torch.nn.Module | None = None, target_source: str = "",
                      vocab_token_ids: torch.Tensor | None = None, k_max: int = 8,
@@ -240,7 +269,7 @@ def choose_precision(draft_model: torch.nn.Module, tokenizer, *, draft_source: s
     measurements (empty when the decision came from the cache or there was nothing to measure)."""
     if next(draft_model.parameters()).device.type != "cpu":
         return "none", []
-    key = {"draft": _weights_id(draft_source), "target": _weights_id(target_source) if target_model is not None
+    key = {"draft": model_cache.weights_id(draft_source), "target": model_cache.weights_id(target_source) if target_model is not None
            else None, "vocab": None if vocab_token_ids is None else int(vocab_token_ids.numel()),
            "threads": torch.get_num_threads(), "cpu": _cpu_flags(), "torch": torch.__version__,
            "onednn": onednn_available(), "candidates": CANDIDATES, "version": 1}

@@ -29,9 +29,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from specdec import startup
 from specdec.config import EngineConfig, SamplingParams
 from specdec.draft import build_draft
-from specdec.kernels import apply_linear_kernel, choose_linear_kernel
+from specdec.kernels import prepare_target
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, TargetPool
@@ -54,13 +55,16 @@ def _sync(device: torch.device) -> None:
 class SpeculativeEngine:
     """Target model + proposer + the batch scheduler, in this process; thread-safe (concurrent calls batch)."""
 
-    def __init__(self, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None = None,
+                 linear_kernel: str | None = None) -> None:
+        """`linear_kernel`: the kernel already applied to the target's linears (`from_config` prepares
+        them while the tokenizer loads); None applies `config.linear_kernel` here."""
         self.config = config
+        self.startup_seconds: dict[str, float] = {}  # stage -> seconds (`startup.py`), by from_config
         self.target_model = target
         self.tokenizer = target.tokenizer
-        self.linear_kernel = choose_linear_kernel(config.linear_kernel, target.model,
-                                                  speculating=config.draft != "none", tensor_parallel=False)
-        apply_linear_kernel(target.model, self.linear_kernel)
+        self.linear_kernel = linear_kernel or prepare_target(target.model, config.linear_kernel,
+                                                             speculating=config.draft != "none")
         self.target = ModelRunner(target)
         built = build_draft(config, draft, self.target.vocab_size, target=target)
         self.proposer = built.proposer
@@ -106,13 +110,21 @@ class SpeculativeEngine:
     def from_config(cls, config: EngineConfig) -> "SpeculativeEngine":
         set_threads(config.num_threads)
         device = select_device(config.device)
-        target = load_model(config.target, device, config.dtype, config.trust_remote_code,
-                            allow_pickle=config.allow_pickle_weights)
-        draft = None
-        if config.draft not in ("ngram", "none"):
-            draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
-                               allow_pickle=config.allow_pickle_weights)
-        return cls(config, target, draft)
+        kernel: list[str] = []
+
+        def prepare(model: torch.nn.Module) -> None:
+            kernel.append(prepare_target(model, config.linear_kernel, speculating=config.draft != "none"))
+
+        with startup.recording() as seconds:
+            target = load_model(config.target, device, config.dtype, config.trust_remote_code,
+                                allow_pickle=config.allow_pickle_weights, role="target", prepare=prepare)
+            draft = None
+            if config.draft not in ("ngram", "none"):
+                draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
+                                   allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
+            engine = cls(config, target, draft, linear_kernel=kernel[0])
+        engine.startup_seconds = seconds
+        return engine
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> ids (with the tokenizer's chat template when `chat`)."""

@@ -1,17 +1,22 @@
 """CPU kernels for linear layers: where a verify pass is won or lost.
 
-Measured on a 2-core Xeon (Sapphire Rapids), fp32, torch 2.13 (the 1.5B Qwen target, one forward
-over n new tokens, milliseconds):
+Measured on a 2-core Xeon (Sapphire Rapids), fp32, torch 2.13, transformers 5 (the 1.5B Qwen
+target, one forward over n new tokens after a 200-token prefix, milliseconds, 2026-12-05):
 
-    n                     1     3     5     9
-    F.linear (MKL)      234   253   470   650    streams the weights once per 3 rows
-    oneDNN, prepacked   259   294   275   331    nearly flat: verification is almost free
+    n                                  1     3     5     9
+    F.linear (MKL), weights mmap'd   384  1124   796   959    transformers 5 maps safetensors
+    oneDNN on the mmap'd weights     244   327   338   391    no preparation
+    oneDNN, prepacked                247   204   192   255    nearly flat: verification is almost free
+    (F.linear on weights in anonymous memory, 2026-12-03: 234 253 470 650)
 
-So the target runs its verify passes through oneDNN with weights reordered once at load time, and
-(in `hybrid` mode, the default where memory allows) keeps the original weights for passes of 1-3
-rows, where MKL is ~10% faster. Both are float32 computations of the same model, summed in a
-different order: the same target at the same precision (greedy output stays identical to
-target-only decoding; the tests compare with HF `generate()` on stock kernels).
+So the target runs its verify passes through oneDNN with weights reordered once at load time
+(~3 s for the 1.5B target here; the reordered layout is opaque to safetensors, so it cannot be
+cached on disk). transformers 5 memory-maps float32 safetensors weights, so keeping the originals
+(for `stock_linears`, the reference runs) costs page cache, not process memory. `hybrid` also
+routes passes of 1-3 rows to MKL, ~10% faster than oneDNN when the weights live in anonymous
+memory (a GGUF-converted model), far slower on mapped ones. Both are float32 computations of the
+same model, summed in a different order: the same target at the same precision (greedy output
+stays identical to target-only decoding; the tests compare with HF `generate()` on stock kernels).
 
 A draft only proposes, so it may run at a lower precision (`draft_precision.py` chooses which, by
 measurement). The kernels for it live here too (the 0.5B Qwen draft, one token, ms, 2026-12-04):
@@ -43,38 +48,41 @@ def onednn_available() -> bool:
 class PackedLinear(torch.nn.Module):
     """An `nn.Linear` with its float32 or bfloat16 weight prepacked for oneDNN.
 
-    keep_weight=True (hybrid) keeps the original weight too and uses it for up to 3 rows; False
-    drops it (half the memory, ~10% slower single-token passes). `stock=True` routes every call
-    through plain `F.linear`, for running a reference on the unmodified kernels.
+    keep_weight=True keeps the original weight too (for `stock=True`, which routes every call
+    through plain `F.linear` to run a reference on the unmodified kernels); small_batch_mkl=True
+    (hybrid) also uses it for passes of up to 3 rows.
     """
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8, keep_weight: bool = True) -> None:
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8, keep_weight: bool = True,
+                 small_batch_mkl: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        self.weight = linear.weight if keep_weight else None
+        self.weight = linear.weight if keep_weight or small_batch_mkl else None
         self.bias = linear.bias
+        self.small_batch_mkl = small_batch_mkl
         self.stock = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
-        if self.weight is not None and (self.stock or rows.shape[0] <= _SMALL_BATCH):
+        if self.stock or (self.small_batch_mkl and rows.shape[0] <= _SMALL_BATCH):
+            if self.weight is None:
+                raise RuntimeError("stock kernels need the original weights (not kept: memory was short)")
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.stock:
-            raise RuntimeError("stock kernels need the original weights (linear_kernel='hybrid')")
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        mode = "hybrid" if self.weight is not None else "onednn"
+        mode = "hybrid" if self.small_batch_mkl else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, {mode}"
 
 
 def replace_linears(model: torch.nn.Module, make, dtype: torch.dtype = torch.float32) -> int:
-    """Replace every CPU `nn.Linear` of `dtype` in `model` by `make(linear)`; returns how many."""
+    """Replace every CPU `nn.Linear` of `dtype` in `model` by `make(linear)`; returns how many. (Meta
+    tensors count as CPU ones: a skeleton built there is filled with prepared CPU weights.)"""
     found = [(name, module) for name, module in model.named_modules()
-             if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+             if type(module) is torch.nn.Linear and module.weight.device.type in ("cpu", "meta")
              and module.weight.dtype == dtype]
     for name, module in found:
         parent_name, _, child = name.rpartition(".")
@@ -84,9 +92,9 @@ def replace_linears(model: torch.nn.Module, make, dtype: torch.dtype = torch.flo
 
 
 def pack_linears(model: torch.nn.Module, keep_weight: bool = True, batch_hint: int = 8,
-                 dtype: torch.dtype = torch.float32) -> int:
+                 dtype: torch.dtype = torch.float32, small_batch_mkl: bool = False) -> int:
     """Replace every CPU `nn.Linear` of `dtype` in `model` by a `PackedLinear`; returns how many."""
-    return replace_linears(model, lambda m: PackedLinear(m, batch_hint, keep_weight), dtype)
+    return replace_linears(model, lambda m: PackedLinear(m, batch_hint, keep_weight, small_batch_mkl), dtype)
 
 
 class Int8WeightLinear(torch.nn.Module):
@@ -144,8 +152,7 @@ def available_memory_bytes() -> int | None:
 
 
 def choose_linear_kernel(kernel: str, model: torch.nn.Module, speculating: bool, tensor_parallel: bool) -> str:
-    """Resolve `auto`: oneDNN where verify passes happen (fp32 on the CPU, not tensor-parallel);
-    hybrid when the weights fit in memory twice (with 2 GB to spare), else oneDNN alone."""
+    """Resolve `auto`: oneDNN where verify passes happen (fp32 on the CPU, not tensor-parallel)."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {kernel!r}")
     param = next(model.parameters())
@@ -155,14 +162,25 @@ def choose_linear_kernel(kernel: str, model: torch.nn.Module, speculating: bool,
         raise ValueError(f"the {kernel} linear kernel needs float32 weights on the CPU without tensor parallelism")
     if kernel != "auto":
         return kernel
-    if not (eligible and speculating):
-        return "torch"
-    free = available_memory_bytes()
-    return "hybrid" if free is None or free > linear_weight_bytes(model) + (2 << 30) else "onednn"
+    return "onednn" if eligible and speculating else "torch"
+
+
+def prepare_target(model: torch.nn.Module, kernel: str, speculating: bool, tensor_parallel: bool = False) -> str:
+    """Resolve `kernel` for this target and apply it; returns the kernel chosen."""
+    chosen = choose_linear_kernel(kernel, model, speculating=speculating, tensor_parallel=tensor_parallel)
+    apply_linear_kernel(model, chosen)
+    return chosen
 
 
 def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """Prepack the linears for `onednn`/`hybrid`. The original weights stay referenced (for the
+    reference runs of `stock_linears`) when they fit in memory twice with 2 GB to spare: free when
+    they are memory-mapped from safetensors; hybrid needs them."""
     if kernel in ("onednn", "hybrid"):
-        count = pack_linears(model, keep_weight=kernel == "hybrid")
-        logger.info("prepacked %d linear layers for oneDNN (%s)", count, kernel)
+        from specdec.startup import stage
 
+        free = available_memory_bytes()
+        keep = kernel == "hybrid" or free is None or free > linear_weight_bytes(model) + (2 << 30)
+        with stage("prepare target", f"{kernel}: prepacking the linear layers for oneDNN"):
+            count = pack_linears(model, keep_weight=keep, small_batch_mkl=kernel == "hybrid")
+        logger.info("prepacked %d linear layers for oneDNN (%s)", count, kernel)

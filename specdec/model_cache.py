@@ -114,11 +114,34 @@ def ensure(name: str, progress: bool = True) -> Path:
 
 
 def remove(name: str) -> bool:
+    """Remove a preset's converted copy and the draft weights prepared from it (`prepared_weights.py`)."""
     directory = model_dir(name)
     if not directory.exists():
         return False
+    for manifest in prepared_root().glob("*/manifest.json"):
+        try:
+            drafted_from = json.loads(manifest.read_text())["key"]["draft"][0]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if drafted_from == str(directory):
+            shutil.rmtree(manifest.parent, ignore_errors=True)
     shutil.rmtree(directory)
     return True
+
+
+def prepared_root() -> Path:
+    """Where prepared (quantized) draft weights are cached (`prepared_weights.py`)."""
+    return cache_root() / "prepared"
+
+
+def weights_id(source: str) -> list:
+    """A model directory's path and its weight/config files' names, sizes and times: a changed model
+    is a new key for what is derived from it (prepared weights, calibration decisions)."""
+    path = Path(source)
+    if not path.is_dir():
+        return [source]
+    return [str(path)] + sorted([p.name, p.stat().st_size, int(p.stat().st_mtime)]
+                                for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".json"))
 
 
 # ----------------------------------------------------------------------------------------- pull

@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -165,21 +166,57 @@ def load_model(
     trust_remote_code: bool = False,
     tensor_parallel: bool = False,
     allow_pickle: bool = False,
+    tokenizer_of: LoadedModel | None = None,
+    role: str = "model",
+    prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (see module docstring). Raises ModelLoadError.
 
     `tensor_parallel`: shard the model over the already initialised `torch.distributed` process
     group with transformers' built-in plan (`tp_plan="auto"`); each rank holds its slice of every
     linear layer and the KV cache of its own attention heads. `allow_pickle`: also load `.bin`/`.pt`
-    weights (pickles) when a model has no safetensors.
+    weights (pickles) when a model has no safetensors. `tokenizer_of`: a loaded model (the target)
+    whose tokenizer is reused when its files are identical to this model's (a draft of the same
+    family: saves loading the same tokenizer twice). `role` names the start-up stage ("load target").
+    `prepare(model)` (e.g. prepacking the target's linears) runs in a thread as soon as the weights
+    are in, while the tokenizer loads: C++ work beside Python work, both cores busy.
     """
+    from specdec.startup import in_background, stage
+
+    with stage(f"load {role}", spec):
+        dev = device if isinstance(device, torch.device) else select_device(device)
+        start = time.perf_counter()
+        resolved = materialize(resolve_spec(spec))
+        model = _load_weights(resolved, spec, dev, select_dtype(dtype, dev), trust_remote_code, tensor_parallel,
+                              allow_pickle)
+    preparing = in_background(_with_threads(prepare, torch.get_num_threads()), model) if prepare is not None else None
+    try:
+        if tokenizer_of is not None and same_tokenizer_files(tokenizer_of.source, resolved.path):
+            tokenizer = tokenizer_of.tokenizer
+        else:
+            with stage(f"load {role} tokenizer"):
+                tokenizer = _pretrained("AutoTokenizer", resolved, spec, trust_remote_code)
+    finally:
+        if preparing is not None:
+            preparing.join()
+    loaded = LoadedModel(model, tokenizer, spec, resolved.path, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %s) in %.1fs", spec, loaded.dtype, loaded.device, loaded.load_seconds)
+    return loaded
+
+
+def _with_threads(fn: Callable, num_threads: int) -> Callable:
+    """`fn` run on `num_threads` intra-op threads: a new thread starts with OpenMP's default (1 in a Ray
+    worker, whose OMP_NUM_THREADS Ray sets), not with the caller's `torch.set_num_threads`."""
+    def run(*args):
+        torch.set_num_threads(num_threads)
+        return fn(*args)
+    return run
+
+
+def _load_weights(resolved: ResolvedSpec, spec: str, dev: torch.device, torch_dtype: torch.dtype,
+                  trust_remote_code: bool, tensor_parallel: bool, allow_pickle: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    dev = device if isinstance(device, torch.device) else select_device(device)
-    torch_dtype = select_dtype(dtype, dev)
-    start = time.perf_counter()
-    resolved = materialize(resolve_spec(spec))
-    tokenizer = _pretrained("AutoTokenizer", resolved, spec, trust_remote_code)
     extra: dict = {"dtype": torch_dtype}
     if not allow_pickle and resolved.kind in ("dir", "hub") and not resolved.gguf_file:
         refuse_pickled_weights(resolved, spec)
@@ -193,10 +230,25 @@ def load_model(
     model = _pretrained(AutoModelForCausalLM, resolved, spec, trust_remote_code, **extra)
     if not tensor_parallel:
         model.to(dev)
-    model.eval()
-    loaded = LoadedModel(model, tokenizer, spec, resolved.path, time.perf_counter() - start)
-    logger.info("loaded %s (%s, %s) in %.1fs", spec, loaded.dtype, loaded.device, loaded.load_seconds)
-    return loaded
+    return model.eval()
+
+
+#: The files a Hugging Face tokenizer's encoding is built from. (Not the chat template: prompts are
+#: formatted with the target's; the Qwen2.5-Coder 0.5B and 1.5B templates differ in one escape.)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def same_tokenizer_files(dir_a: str, dir_b: str) -> bool:
+    """Do two local model directories hold byte-identical tokenizer files (and the same set of them)?"""
+    a, b = Path(dir_a), Path(dir_b)
+    if not (a.is_dir() and b.is_dir()):
+        return False
+    names = [n for n in TOKENIZER_FILES if (a / n).is_file() or (b / n).is_file()]
+    try:
+        return bool(names) and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    except OSError:
+        return False
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
@@ -276,6 +328,8 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = 
     Speculative decoding compares token ids, so a draft with another vocabulary would only produce
     rejections (or, with a coincidentally equal size, garbage acceptances).
     """
+    if target_tokenizer is draft_tokenizer:
+        return
     t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if t_vocab == d_vocab:
         return

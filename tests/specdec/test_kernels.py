@@ -10,11 +10,12 @@ from specdec.kernels import PackedLinear, pack_linears, stock_linears
 from specdec.models import load_model
 
 
-@pytest.mark.parametrize("keep_weight", [True, False], ids=["hybrid", "onednn"])
-def test_packed_linear_matches_f_linear(keep_weight):
+@pytest.mark.parametrize("keep_weight,small_batch_mkl", [(True, True), (True, False), (False, False)],
+                         ids=["hybrid", "onednn", "onednn-without-originals"])
+def test_packed_linear_matches_f_linear(keep_weight, small_batch_mkl):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
-    packed = PackedLinear(linear, keep_weight=keep_weight)
+    packed = PackedLinear(linear, keep_weight=keep_weight, small_batch_mkl=small_batch_mkl)
     for rows in (1, 2, 3, 4, 5, 9, 17):
         x = torch.randn(1, rows, 64)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
