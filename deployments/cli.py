@@ -151,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop.serving = True
         _say(f"ready in {time.monotonic() - started:.1f}s: {base}/v1 (model {options.served_model_name!r}"
              f"{', API key required' if options.api_key else ''}), metrics at {metrics_url}; Ctrl-C to stop")
-        _say_startup(phases, base, options.api_key)
+        _say_startup(phases, base, options.api_key.get_secret_value() if options.api_key else None)
         print(f"{base}/v1", flush=True)
         print(metrics_url, flush=True)
         while not stop.wait(1.0):
@@ -270,9 +270,11 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
     try:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         card = httpx.get(f"{base}/v1/models", headers=headers, timeout=10).json()["data"][0]
-        stages = card["specdec"].get("startup_seconds") or {}
+        engine, stages = card["specdec"].get("engine_startup_seconds"), card["specdec"].get("startup_seconds")
+        if engine is not None:
+            line += f"; in the replica: its engine's actors started and loaded in {engine:.1f}s"
         if stages:
-            line += f"; in the replica (target shard): {summary(stages)}"
+            line += f", the target shard's stages: {summary(stages)}"
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         pass  # the breakdown is a courtesy: never fail a started service over it
     _say(line)

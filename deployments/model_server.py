@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from actors.builder import prepare_models
@@ -34,8 +35,10 @@ class ModelServer:
         self.config = options.ray_engine_config()
         prepare_models(self.config)
         self.coordinator = Coordinator(self.config, model_name=options.served_model_name, replica=_replica_id())
+        started = time.perf_counter()
         try:
             self.info = await self.coordinator.start()
+            self.engine_seconds = time.perf_counter() - started  # actors started, models loaded and prepared
         except BaseException:
             self.coordinator.shutdown()
             raise
@@ -54,6 +57,7 @@ class ModelServer:
         return {**self.options.describe(self.config), "max_context": self.info["max_context"],
                 "device": self.info["device"], "dtype": self.info["dtype"],
                 "linear_kernel": self.info["linear_kernel"],
+                "engine_startup_seconds": round(self.engine_seconds, 2),
                 "startup_seconds": self.info.get("startup_seconds", {})}  # the target shard's stages
 
     async def request_counts(self) -> dict:

@@ -69,8 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (set it to your physical cores; oversubscription is slow)")
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "hybrid"],
                    help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes "
-                        "nearly as cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL for 1-3 "
-                        "rows [default: auto = onednn when speculating on CPU fp32, else torch]")
+                        "nearly as cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL "
+                        "for 1-3 rows [default: auto = onednn when speculating on CPU fp32, else torch]")
     g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
                    help="precision of the draft model (lossless: it only proposes): none (as loaded), bfloat16 "
                         "(oneDNN), int8 (dynamic), int8-weight (weight-only) [default: auto = the best expected "

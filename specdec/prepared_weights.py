@@ -151,7 +151,8 @@ def load(skeleton: torch.nn.Module, key: dict) -> torch.nn.Module | None:
         for name, want in expected.items():
             got = state[name]
             if got.dtype != want.dtype or got.shape != want.shape:
-                raise ValueError(f"{name} is {got.dtype}{list(got.shape)}, the model needs {want.dtype}{list(want.shape)}")
+                raise ValueError(f"{name} is {got.dtype}{list(got.shape)}, "
+                                 f"the model needs {want.dtype}{list(want.shape)}")
         skeleton.load_state_dict(state, strict=True, assign=True)
         left = [n for n, t in [*skeleton.named_parameters(), *skeleton.named_buffers()] if t.is_meta]
         if left:

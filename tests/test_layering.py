@@ -61,7 +61,8 @@ HEAVY_MODULES = ("torch", "transformers", "ray", "numpy", "safetensors.torch")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["bench", "--help"],
-                                  ["models", "list"], ["models", "rm", "smollm2-135m-instruct"], ["models", "rm", "no-such"]])
+                                  ["models", "list"], ["models", "rm", "smollm2-135m-instruct"],
+                                  ["models", "rm", "no-such"]])
 def test_commands_that_load_no_model_import_no_heavy_library(argv, tmp_path):
     """`specdec --help`, `models list` and `models rm` answer in well under a second because they do
     not import torch, transformers or Ray (each costs seconds); checked on the modules, not the time."""

@@ -310,6 +310,12 @@ def test_specdec_serve_stops_on_sigterm(server):
     assert proc.wait(timeout=90) == 0
     err = proc.stderr.read()
     assert "ready in" in err and "shutting down" in err and server.metrics_url in err
+    # Where the start-up went: this process's phases, then the replica's target shard's stages (the
+    # draft is a separate actor here: its stages are its own).
+    (startup,) = [line for line in err.splitlines() if line.startswith("[specdec serve] start-up: ")]
+    for phase in ("imports", "Ray", "Serve", "replicas", "in the replica: its engine's actors started and loaded in",
+                  "the target shard's stages: load target", "prepare target", "load target tokenizer"):
+        assert phase in startup, startup
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
 

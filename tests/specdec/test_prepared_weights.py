@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from specdec import SpeculativeEngine, model_cache, prepared_weights
+from specdec import SpeculativeEngine, model_cache
 from specdec.cli import main
 from specdec.draft_precision import prepare_draft
 from specdec.models import load_model, same_tokenizer_files
