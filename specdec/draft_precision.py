@@ -270,7 +270,8 @@ def choose_precision(draft_model: torch.nn.Module, tokenizer, *, draft_source: s
     if next(draft_model.parameters()).device.type != "cpu":
         return "none", []
     key = {"draft": model_cache.weights_id(draft_source),
-           "target": model_cache.weights_id(target_source) if target_model is not None else None, "vocab": None if vocab_token_ids is None else int(vocab_token_ids.numel()),
+           "target": model_cache.weights_id(target_source) if target_model is not None else None,
+           "vocab": None if vocab_token_ids is None else int(vocab_token_ids.numel()),
            "threads": torch.get_num_threads(), "cpu": _cpu_flags(), "torch": torch.__version__,
            "onednn": onednn_available(), "candidates": CANDIDATES, "version": 1}
     path = _decision_path(key)
