@@ -21,6 +21,12 @@ separate draft for later requests. A row's own error (its slot of a batched call
 exception) fails that request alone. A dead shard fails the requests of the step with a clear
 error, and the whole shard group (and its process group) is rebuilt before the next step; any
 other exception from a shard call fails that step's requests without a rebuild.
+
+Health (`check_health`, Serve's replica check): a slow engine is healthy, a stuck one is not. One
+forward on a busy CPU or a long prefill chunk can outlast any fixed wait for a shard call, so when
+none has completed for `health_stall_s` the check asks every actor for its progress (decoder layers
+finished, `specdec.progress`; answered mid-forward by a thread of the actor's own): a dead or silent
+actor fails the check, layers finishing mean slow, and no layer for `health_stall_s` means stuck.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from collections.abc import AsyncIterator
 import ray
 
 from actors.config import RayEngineConfig
-from actors.groups import create_draft_worker, create_target_group, kill_target_group, reserve_draft
-from actors.metrics import EngineMetrics
+from actors.groups import HEALTH_GROUP, create_draft_worker, create_target_group, kill_target_group, reserve_draft
+from actors.metrics import GAUGE_REFRESH_S, EngineMetrics
+from specdec.calibration import runtime_check
+from specdec.kernels import VERIFY_TOKENS
 from specdec.models import check_same_vocabulary, load_tokenizer
 from specdec.presets import short_name
 from specdec.prompt import resolve_prompt
@@ -75,16 +83,19 @@ class Coordinator:
         self.info: dict = {}
         self.costs = CostModel()
         self.scheduler: Scheduler | None = None
+        self.calibration_check = runtime_check(None, None, VERIFY_TOKENS)  # set up in start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._last_progress = time.monotonic()  # when a shard call last completed
+        self._gauges: asyncio.Task | None = None  # re-sets the metrics' gauges (`_refresh_gauges`)
+        self._last_progress = time.monotonic()  # when a shard call last completed, or work came to an idle engine
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair, start the shard group and the draft worker, then the scheduler."""
         from specdec.cli import quiet_libraries
 
         quiet_libraries()
+        self._gauges = asyncio.create_task(self._refresh_gauges())
         engine = self.config.engine
         self.tokenizer = load_tokenizer(engine.target, engine.trust_remote_code)
         if engine.draft not in ("ngram", "none"):
@@ -98,9 +109,16 @@ class Coordinator:
         if separate:
             self.draft = create_draft_worker(self.config, self.info["vocab_size"], self._draft_pg)
             await self.draft.ready.remote()
+            if engine.draft != "ngram":  # the separate draft measured its own precision
+                calibration = {**self.info["calibration"], "draft_precision": await self.draft.calibration.remote()}
+                self.info = {**self.info, "calibration": calibration}
+        calibration = self.info["calibration"]
+        self.calibration_check = runtime_check(calibration["linear_kernel"], calibration["draft_precision"],
+                                               VERIFY_TOKENS)
         self.info = {**self.info, "draft_placement": self.config.draft_placement if engine.draft != "none" else None,
                      "pipeline": self.config.pipeline and separate,
                      "max_batch_size": engine.max_batch_size}
+        self.metrics.engine_started(self.info)
         self._loop = asyncio.get_running_loop()
         # The scheduler thread's ray.get calls do not block this actor's event loop (as Ray Train's).
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
@@ -123,12 +141,27 @@ class Coordinator:
                 continue
             try:
                 self.scheduler.run_once()
+                self.calibration_check.after_step(self.costs)
             except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
                 logger.exception("scheduler step failed")
                 self.scheduler.fail_all(e)
 
+    async def _refresh_gauges(self) -> None:
+        """Re-set the metrics' gauges on this event loop (where the request events record them too),
+        busy or idle: Ray drops a gauge that is not set again (`actors/metrics.py` says why)."""
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_S)
+            try:
+                self.metrics.refresh()
+            except Exception:  # noqa: BLE001 - keep refreshing: a stopped task would blank the gauges
+                logger.exception("re-setting the metrics' gauges failed")
+
     def shutdown(self) -> None:
         self._stopping = True
+        if self._gauges is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the task went with it
+                self._gauges.get_loop().call_soon_threadsafe(self._gauges.cancel)  # shutdown may run off the loop
+            self._gauges = None
         if self.scheduler is not None:
             self.scheduler.wake()
         if self.scheduler is not None:
@@ -158,29 +191,70 @@ class Coordinator:
     async def cache_lengths(self, request_id: str) -> list:
         return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
 
-    async def check_health(self, stall_s: float = 60.0, timeout_s: float = 20.0) -> None:
-        """Raise if the engine is stuck or an actor is gone. Under load the shards are busy and a
-        ping would queue behind the forwards, so progress (a shard call completed within `stall_s`)
-        is the proof of life; idle, every actor must answer a ping within `timeout_s`."""
-        if self.scheduler is not None and self.scheduler.num_active:
-            stalled = time.monotonic() - self._last_progress
-            if stalled > stall_s:
-                raise RuntimeError(f"no shard call completed for {stalled:.0f}s with {self.scheduler.num_active} "
-                                   "requests in flight")
-            return
-        await self.request_counts(timeout_s)
+    async def check_health(self, stall_s: float | None = None, timeout_s: float = 10.0) -> str:
+        """Raise if an actor is gone or the engine is stuck; else say how it is: "idle", "busy" or
+        "slow". Idle, every actor must answer within `timeout_s` (`request_counts`). Under load a
+        ping would queue behind the forwards, so a shard call completed within `stall_s` (default:
+        the config's `health_stall_s`) is the proof of life. Failing that, every actor reports its
+        `progress` from a thread of its own, mid-forward (`specdec.progress`): one that is dead fails
+        the check at once, one silent for `timeout_s` fails it then; a decoder layer finished (or a
+        call begun or ended) anywhere within `stall_s` means slow but progressing; none means stuck."""
+        stall_s = self.config.health_stall_s if stall_s is None else stall_s
+        num_active = self.scheduler.num_active if self.scheduler is not None else 0
+        if not num_active:
+            await self.request_counts(timeout_s)
+            return "idle"
+        since_call_s = time.monotonic() - self._last_progress
+        if since_call_s <= stall_s:
+            return "busy"
+        progress = await self._ask("progress", timeout_s, HEALTH_GROUP)
+        quiet_s = min([since_call_s, *(p["quiet_s"] for p in progress.values())])
+        layers = ", ".join(f"{name}: {p['num_layers']}" for name, p in progress.items())
+        if quiet_s <= stall_s:
+            logger.info("no shard call completed for %.0fs with %d requests in flight, but the engine is slow, not "
+                        "stuck: its last progress was %.1fs ago (decoder layers run so far: %s)", since_call_s,
+                        num_active, quiet_s, layers)
+            return "slow"
+        running = "; ".join(f"{name} has been in {p['call']} for {p['call_s']:.0f}s"
+                            for name, p in progress.items() if p["call"] is not None)
+        raise RuntimeError(f"the engine is stuck: no decoder layer finished for {quiet_s:.0f}s (limit {stall_s:.0f}s) "
+                           f"with {num_active} requests in flight; {running or 'no actor is running a call'} "
+                           f"(decoder layers run so far: {layers})")
 
     async def request_counts(self, timeout_s: float = 10.0) -> dict:
         """Requests holding state, per place: here (in flight), on each shard (KV caches, and draft
         states when colocated) and in the separate draft worker. Every actor answers, or this raises:
         it doubles as the health check of the group."""
-        refs = [s.num_requests.remote() for s in self.group.shards]
-        if self.draft is not None:
-            refs.append(self.draft.num_requests.remote())
-        counts = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+        counts = await self._ask("num_requests", timeout_s)
         return {"coordinator": self.scheduler.num_active if self.scheduler else 0,
-                "shards": counts[:len(self.group.shards)],
-                "draft": counts[len(self.group.shards)] if self.draft is not None else None}
+                "shards": [n for name, n in counts.items() if name.startswith("target shard")],
+                "draft": counts.get("draft worker")}
+
+    async def _ask(self, method: str, timeout_s: float, concurrency_group: str | None = None) -> dict:
+        """Every actor's answer to `method`, by name ("target shard <rank>", "draft worker"). Raises a
+        RuntimeError naming the actors that are dead (at once) or did not answer within `timeout_s`."""
+        if self.group is None:
+            raise TargetShardError("the target shard group is down: a shard failed and the group is being rebuilt "
+                                   "(or could not be)")
+        actors = {f"target shard {rank}": shard for rank, shard in enumerate(self.group.shards)}
+        if self.draft is not None:
+            actors["draft worker"] = self.draft
+        futures = {}
+        for name, actor in actors.items():
+            call = getattr(actor, method)
+            call = call.options(concurrency_group=concurrency_group) if concurrency_group else call
+            futures[name] = asyncio.wrap_future(call.remote().future())
+            futures[name].add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, even if late
+        _, pending = await asyncio.wait(futures.values(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        failed = {name: f.exception() for name, f in futures.items() if f.done() and f.exception() is not None}
+        if failed:
+            raise RuntimeError("; ".join(f"{name} is {'dead' if isinstance(e, _ACTOR_GONE) else 'failing'} "
+                                         f"({e.__class__.__name__}: {_first_line(e)})" for name, e in failed.items()))
+        if pending:
+            silent = [name for name, f in futures.items() if not f.done()]
+            raise RuntimeError(f"{', '.join(silent)} did not answer {method} within {timeout_s:.0f}s: a wedged or "
+                               "overloaded process")
+        return {name: f.result() for name, f in futures.items()}
 
     # ---------------------------------------------------------------------------- requests
 
@@ -196,6 +270,8 @@ class Coordinator:
         out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         record = self.metrics.arrived(request.request_id)
+        if not self.scheduler.num_active:  # the health check's stall clock starts when work arrives
+            self._last_progress = time.monotonic()
 
         def observe(kind: str, data) -> None:  # scheduler thread -> this loop (metrics stay single-threaded)
             loop.call_soon_threadsafe(_observe, record, kind, data)

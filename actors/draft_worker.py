@@ -4,7 +4,8 @@ A plain class; `actors/groups.py` makes it a Ray actor, or the rank-0 target sha
 own process (colocated placement). It wraps the core's `DraftPool` unchanged: `propose(rows)` drafts
 the whole batch (one draft forward per position for a draft model), and each row first rewinds its
 draft cache to the prefix it shares with the context it is given, so a rejection, or a pre-drafted
-block that was not used, needs no extra call.
+block that was not used, needs no extra call. `progress()` counts its decoder layers, for the
+coordinator's health check (`specdec.progress`; a colocated draft counts into the shard's).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import logging
 import time
 from collections.abc import Sequence
 
+from specdec.calibration import Record as Calibration, summarize
 from specdec.config import EngineConfig
 from specdec.draft import build_draft
 from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, DraftRow
+from specdec.progress import ForwardProgress
 from specdec.proposers import Proposal
 
 logger = logging.getLogger(__name__)
@@ -24,28 +27,39 @@ logger = logging.getLogger(__name__)
 
 class DraftWorker:
     def __init__(self, config: EngineConfig, target_vocab_size: int, num_threads: int | None = None,
-                 target: LoadedModel | None = None) -> None:
+                 target: LoadedModel | None = None, progress: ForwardProgress | None = None,
+                 target_kernel: Calibration | None = None) -> None:
         set_threads(num_threads or config.num_threads)
         self.config = config
+        self.forward_progress = progress or ForwardProgress.from_env()
         if config.draft == "none":
             raise ValueError("draft 'none' needs no draft worker")
         loaded = None
         if config.draft != "ngram":
             loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code,
                                 allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
-        built = build_draft(config, loaded, target_vocab_size, target=target)
+        built = build_draft(config, loaded, target_vocab_size, target=target, target_kernel=target_kernel)
         self.quantization = built.precision
+        self.record = built.record
         proposer, device = built.proposer, built.device
+        if built.model is not None:
+            self.forward_progress.watch(built.model.model)
         self.pool = DraftPool(proposer, device)
 
     def ready(self) -> str:
         return self.pool.name
 
+    def calibration(self) -> dict | None:
+        """The draft model's precision and, when `auto` measured it, how (`specdec.calibration.Record.summary`);
+        None for n-gram lookup (no model)."""
+        return summarize(self.record, self.quantization) if self.config.draft != "ngram" else None
+
     def propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Each proposal carries the seconds the batch took here, so the caller can tell drafting time
         from the call's round trip (auto-K weighs them differently: one is paid per token, one per step)."""
         start = time.perf_counter()
-        proposals = self.pool.propose(rows)
+        with self.forward_progress.running("propose"):
+            proposals = self.pool.propose(rows)
         seconds = time.perf_counter() - start
         for p in proposals:
             p.seconds = seconds
@@ -56,3 +70,7 @@ class DraftWorker:
 
     def num_requests(self) -> int:
         return len(self.pool)
+
+    def progress(self) -> dict:
+        """This process's progress (`ForwardProgress.snapshot`); safe to call from another thread."""
+        return self.forward_progress.snapshot()

@@ -4,6 +4,8 @@ Target shards go into one STRICT_PACK placement group (tensor parallelism needs 
 interconnect); a separate draft worker is placed by its own resources, so on a cluster it can sit
 on a different kind of node; a colocated draft lives in the rank-0 shard's process (its CPUs are
 added to that shard's bundle). The coordinator uses these; `builder.py` starts the coordinator.
+Both kinds of actor run their `progress` method in a concurrency group of its own (`HEALTH_GROUP`):
+a thread beside the one that runs forwards, so the health check gets an answer mid-forward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.config import RayEngineConfig, RolePlacement
 
 logger = logging.getLogger(__name__)
+
+#: The concurrency group of the actors' `progress` calls (`actor.progress.options(concurrency_group=...)`):
+#: one thread of its own, so it answers while the default group's thread runs a forward.
+HEALTH_GROUP = "health"
+
+
+def _actor_class(cls):
+    """`cls` as a Ray actor class with the health concurrency group (threaded: the default group
+    keeps one thread, so the model's calls still run one at a time, in submission order)."""
+    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)
 
 
 def _role_options(role: RolePlacement) -> dict:
@@ -43,7 +55,7 @@ def create_draft_worker(config: RayEngineConfig, target_vocab_size: int, pg):
     options = _role_options(config.draft)
     options.pop("resources", None)  # reserved by the bundle
     options.pop("accelerator_type", None)
-    actor = (ray.remote(DraftWorker)
+    actor = (_actor_class(DraftWorker)
              .options(max_restarts=config.draft_max_restarts, max_task_retries=0,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
                       **options)
@@ -113,7 +125,7 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
         options.pop("accelerator_type", None)
         options["num_cpus"] = bundles[rank].get("CPU", 0.0)
         host_draft = config.colocated and rank == 0
-        shards.append(ray.remote(TargetShard)
+        shards.append(_actor_class(TargetShard)
                       .options(scheduling_strategy=strategy, max_restarts=0, max_task_retries=0, **options)
                       .remote(config.engine, rank, config.tp_size, config.threads(config.target), host_draft))
     try:

@@ -7,10 +7,20 @@ to Ray's and Serve's own, with Ray's `ray_` prefix and a `_total` suffix on coun
 listing every node (`/tmp/ray/prom_metrics_service_discovery.json` on the head node), so a cluster
 needs no ports of ours. No actor serves HTTP.
 
-The coordinator records them at request-level events only (`RequestMetrics.prefilled`, `.step`,
+The coordinator records them at request-level events (`RequestMetrics.prefilled`, `.step`,
 `.finished`), from what each step already returns (the proposal, the verification result, the
-committed chunk), so a change to the loop keeps one recording point. The counters are the sums of
-the `speculative` objects the clients get (`specdec/stats.py` defines the words), so:
+committed chunk), so a change to the loop keeps one recording point. The gauges are also re-set
+every `GAUGE_REFRESH_S` (`EngineMetrics.refresh`, from the coordinator's event loop), because Ray
+exports a gauge only while it is being set: a worker sends the agent only the gauge values set since
+its last report (every `REPORT_INTERVAL_MS`; Ray's observable-gauge callback clears them once
+collected), and the agent drops a value not re-sent within two of its own report intervals
+(`OpenTelemetryMetricRecorder._gauge_metric_ttl_s` in Ray 2.60; 20 s measured: the agent keeps
+Ray's default 10 s interval while our workers report every 2 s). Set at events only, an idle
+engine's gauges left the exposition some 20 s after its last request and the dashboard's gauge
+panels went blank.
+
+The counters are the sums of the `speculative` objects the clients get (`specdec/stats.py` defines
+the words), so:
 
     acceptance rate          sum(rate(ray_specdec_num_accepted_tokens_total[5m]))
                                / sum(rate(ray_specdec_num_draft_tokens_total[5m]))
@@ -29,7 +39,11 @@ draft token; mean accepted length counts the recovered or bonus token of each st
 Labels: `model_name` (the served model name) and `replica` (the Serve replica; "0" outside
 Serve), plus Ray's own (`WorkerId`, `NodeAddress`, `SessionName`, ...): sum over Ray's labels.
 `finish_reason` is stop, length, error, cancelled or timeout; `role` is draft or target;
-`position` counts from 0.
+`position` counts from 0. `specdec_engine_info` is an info metric (always 1) whose labels say how
+the engine runs: `linear_kernel` (the target's), `draft_precision` (the draft model's: "none" for
+one run as loaded, "no draft" for n-gram lookup or target-only), `cpu` (the CPU model the target's
+kernel was measured on: its shard's node) and `isa` (its widest vector ISA: amx, avx512, avx2 or
+baseline).
 
 Histograms: Ray's agent re-emits each observation at its bucket's midpoint, so a histogram's
 `_sum` is approximate (quantiles and counts are not affected). `specdec_accepted_length` has
@@ -43,6 +57,8 @@ from dataclasses import dataclass
 
 #: How often workers hand their metrics to the node's agent (Ray's default is 10 s).
 REPORT_INTERVAL_MS = 2000
+#: How often the coordinator re-sets the gauges: within every report, so that none lapses (see above).
+GAUGE_REFRESH_S = REPORT_INTERVAL_MS / 2000
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled", "timeout")
 ROLES = ("draft", "target")
@@ -97,8 +113,13 @@ METRICS = {spec.name: spec for spec in (
     _g("specdec_requests_running", "Requests generating in this engine."),
     _g("specdec_requests_waiting", "Requests admitted by this engine and waiting for its target shards (start-up "
                                    "or a rebuild of the shard group)."),
-    _g("specdec_num_speculative_tokens", "K of the last verify step (the number of draft tokens asked for)."),
+    _g("specdec_num_speculative_tokens", "K of the last verify step (the number of draft tokens asked for); 0 "
+                                         "while no request runs."),
     _g("specdec_kv_cache_tokens", "Tokens held in the KV caches of the requests in flight.", "role"),
+    _g("specdec_engine_info", "How the engine runs (always 1): the target's linear kernel, the draft model's "
+                              "precision ('none': run as loaded; 'no draft': n-gram or target-only), the CPU "
+                              "model and its widest vector ISA.",
+       "linear_kernel", "draft_precision", "cpu", "isa"),
     _h("specdec_time_to_first_token_seconds", "From a request's arrival at the engine to its first token.",
        _FIRST_TOKEN),
     _h("specdec_inter_token_latency_seconds", "Time between a request's steps, divided over the tokens the step "
@@ -141,7 +162,29 @@ class EngineMetrics:
         self.tags = {"model_name": model_name, "replica": replica}
         self._waiting = 0
         self._running: dict[str, list[int]] = {}  # request id -> [target, draft] KV-cache tokens
+        self._k = 0  # K of the last verify step
+        self._info: dict[str, str] | None = None  # specdec_engine_info's labels, once the engine runs
         self._zero_counters(max_k)
+        self._set_gauges()
+
+    def engine_started(self, info: dict) -> None:
+        """Record `specdec_engine_info` from the coordinator's `info` (the rank-0 shard's `describe()`,
+        with the draft's calibration) and this node's CPU."""
+        from specdec.cpu import cpu_info
+
+        calibration = info.get("calibration") or {}
+        kernel = calibration.get("linear_kernel") or {}
+        cpu = cpu_info()
+        self._info = {"linear_kernel": str(kernel.get("choice") or info.get("linear_kernel")),
+                      "draft_precision": str((calibration.get("draft_precision") or {}).get("choice") or "no draft"),
+                      # The CPU the target's kernel was measured on (its shard's node), else this node's.
+                      "cpu": kernel.get("cpu") or cpu.model, "isa": kernel.get("isa") or cpu.isa}
+        self._set_gauges()
+
+    def refresh(self) -> None:
+        """Re-set every gauge to its current value: Ray drops a gauge that is not set again within a
+        few report intervals (the module docstring says why), so the coordinator calls this every
+        `GAUGE_REFRESH_S`, busy or idle."""
         self._set_gauges()
 
     def _zero_counters(self, max_k: int) -> None:
@@ -175,8 +218,11 @@ class EngineMetrics:
     def _set_gauges(self) -> None:
         self.set("specdec_requests_waiting", self._waiting)
         self.set("specdec_requests_running", len(self._running))
+        self.set("specdec_num_speculative_tokens", self._k if self._running else 0)
         for i, role in enumerate(("target", "draft")):
             self.set("specdec_kv_cache_tokens", sum(held[i] for held in self._running.values()), role=role)
+        if self._info is not None:
+            self.set("specdec_engine_info", 1, **self._info)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -213,7 +259,7 @@ class RequestMetrics:
         """One verify step committed: the core scheduler's `StepInfo` for this request (the core's stats
         got the same numbers)."""
         engine, now = self.engine, time.perf_counter()
-        engine.set("specdec_num_speculative_tokens", step.k)
+        engine._k = step.k  # set with the other gauges, by `_hold` below
         engine.inc("specdec_target_forwards")
         engine.observe("specdec_verify_latency_seconds", step.verify_seconds)
         if step.draft_seconds is not None:

@@ -7,6 +7,10 @@ parallelism (`tp_plan="auto"`, as in gpt-fast's `tp.py` the model file knows not
 reduces through a torch.distributed process group among the shard actors: gloo on CPU, NCCL on GPU.
 Rank 0 returns the result; the others return None. tp_size 1 is a plain single-process target.
 With the colocated draft placement, rank 0 also hosts the draft worker (`propose`).
+
+`progress()` reports the decoder layers this process has run (`specdec.progress`); the coordinator's
+health check asks for it while a forward runs (the actor gives it a thread of its own, see
+`actors/groups.py`), which tells a slow forward from a stuck one.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import torch
 
 from specdec import startup
 from specdec.config import EngineConfig
-from specdec.kernels import prepare_target
+from specdec.calibration import summarize
+from specdec.kernels import prepare_target, settle_linear_kernel
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model, select_device, set_threads
 from specdec.pools import TargetPool, TargetRow
+from specdec.progress import ForwardProgress
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,8 @@ class TargetShard:
         self.runner: ModelRunner | None = None
         self.pool: TargetPool | None = None
         self.startup_seconds: dict[str, float] = {}
+        self.kernel_record = None  # the target kernel's calibration (specdec.calibration.Record), when measured
+        self.forward_progress = ForwardProgress.from_env()  # the target's layers, and a colocated draft's
 
     # ------------------------------------------------------------------------------- set-up
 
@@ -103,7 +111,8 @@ class TargetShard:
         loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
                             tensor_parallel=self.world_size > 1, allow_pickle=self.config.allow_pickle_weights,
                             role="target", prepare=prepare)
-        self.linear_kernel = kernel[0]
+        self.linear_kernel, self.kernel_record = settle_linear_kernel(loaded, kernel[0])
+        self.forward_progress.watch(loaded.model)
         self.runner = ModelRunner(loaded)
         self.pool = TargetPool(self.runner)
         if self.host_draft:
@@ -112,7 +121,8 @@ class TargetShard:
             # Same process, same thread pool: the draft and the target never run at once here. An
             # unsharded target is at hand for `auto` draft precision to measure acceptance against.
             self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads(),
-                                     target=loaded if self.world_size == 1 else None)
+                                     target=loaded if self.world_size == 1 else None, progress=self.forward_progress,
+                                     target_kernel=self.kernel_record)
 
     def describe(self) -> dict:
         loaded = self.runner.loaded
@@ -126,6 +136,10 @@ class TargetShard:
             "linear_kernel": self.linear_kernel,
             "world_size": self.world_size,
             "draft": self.draft.ready() if self.draft is not None else None,
+            # What load-time measurement chose (`specdec/calibration.py`): the kernel here, the
+            # colocated draft's precision (a separate draft worker reports its own).
+            "calibration": {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
+                            "draft_precision": self.draft.calibration() if self.draft is not None else None},
             "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
         }
 
@@ -134,7 +148,8 @@ class TargetShard:
     def forward(self, rows: Sequence[TargetRow]):
         """One batched forward over every row; rank 0 returns per row `[num_logits]` argmax ids (greedy),
         `[num_logits, vocab]` float32 logits on the CPU, or that row's error; other ranks return None."""
-        results = self.pool.forward(rows)
+        with self.forward_progress.running("forward"):
+            results = self.pool.forward(rows)
         return results if self.rank == 0 else None
 
     def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:
@@ -163,3 +178,8 @@ class TargetShard:
     def num_requests(self) -> int:
         """Requests holding state here: KV caches, and draft states when the draft is colocated."""
         return len(self.pool) + (self.draft.num_requests() if self.draft is not None else 0)
+
+    def progress(self) -> dict:
+        """This process's progress (`ForwardProgress.snapshot`); safe to call from another thread
+        while a forward runs."""
+        return self.forward_progress.snapshot()

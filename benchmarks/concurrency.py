@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import cpu_line
 from specdec.config import SamplingParams
+from specdec.cpu import cpu_info
 from specdec.kernels import stock_linears
 from specdec.stats import SpeculativeStats
 
@@ -193,7 +195,7 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
     rows = [load.row(reference) for load in loads]
     meta = {"target": target_spec, "draft": draft_spec, "num_prompts": len(prompt_ids),
             "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "concurrency": list(levels),
-            "threads": torch.get_num_threads(), **info, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), **info, "cpu": cpu_info().as_dict(), "torch": torch.__version__,
             "seconds": round(time.time() - started, 1), "command": command,
             "reference": "hf-static at N=1 (target-only generate() of each prompt alone)" if reference else None}
     return rows, write(out_dir, rows, meta)
@@ -241,6 +243,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['num_prompts']} prompts, {meta['max_tokens']} new tokens, temperature {meta['temperature']}, "
              f"{meta['threads']} threads, target kernel {meta['linear_kernel']}, draft {meta['draft_quantization']}; "
              f"closed loop (a client sends its next prompt when its last returns). `{meta['command']}`", "",
+             f"CPU: {cpu_line(meta)}.", "",
              "| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = []

@@ -90,6 +90,20 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return str(value)
 
 
+def cpu_line(meta: dict) -> str:
+    cpu = meta.get("cpu") or {}
+    cap = f", capped at {cpu['cap']}" if cpu.get("cap") else ""
+    return f"{cpu.get('model', meta.get('machine'))} ({' '.join(cpu.get('flags', []))}{cap})"
+
+
+def _calibration_line(meta: dict) -> str:
+    from specdec.calibration import describe
+
+    calibration = meta.get("calibration") or {}
+    return "; ".join(f"{name.replace('_', ' ')} {describe(calibration.get(name))}"
+                     for name in ("linear_kernel", "draft_precision") if calibration.get(name))
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     greedy = "identical_to_baseline" in (rows[0] if rows else {})
     head = ["method", "K", "tok/s (median)", "speedup", "acceptance", "α", "mean acc. len", "fwd/token", "c",
@@ -101,6 +115,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "tok/s on the same prompt; acceptance = accepted / proposed tokens; α = accepted / judged "
              "positions (Leviathan's per-token rate); c = draft forward ÷ target single-token forward; "
              "theory = (1-α^(K+1))/((1-α)(cK+1)); efficiency = speedup ÷ theory.", "",
+             f"CPU: {cpu_line(meta)}; target kernel {meta.get('linear_kernel')}, draft "
+             f"{meta.get('draft_quantization')} (auto: {_calibration_line(meta)}).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         k = r.get("k")

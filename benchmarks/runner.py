@@ -30,6 +30,7 @@ from benchmarks.methods import HFGenerate, Run, Specdec
 from benchmarks.prompts import Prompt
 from benchmarks import report
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
+from specdec.cpu import cpu_info
 from specdec.kernels import PackedLinear
 from specdec.models import load_model, set_threads
 from specdec.prompt import check_prompt, tokenize_prompt
@@ -190,7 +191,9 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
         "top_p": sampling.top_p, "top_k": sampling.top_k, "chat": config.chat, "baseline": baseline,
         "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
         "draft_quantization": spec.draft_quantization,
-        "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration], "torch": torch.__version__, "python": platform.python_version(),
+        "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration],
+        "calibration": spec.calibration,  # what auto measured for the kernel and the draft, and when
+        "cpu": cpu_info().as_dict(), "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - started, 1),
         "command": " ".join(sys.argv),
     }

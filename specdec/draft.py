@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import EngineConfig
-from specdec.draft_precision import Measurement, choose_precision, prepare_draft
+from specdec.calibration import Record as Calibration
+from specdec.draft_precision import VERIFY_SLOPE, Measurement, choose_precision, prepare_draft
+from specdec.kernels import VERIFY_TOKENS
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, check_same_vocabulary
 from specdec.proposers import DraftModelProposer, HybridProposer, NgramProposer
@@ -32,6 +34,7 @@ class Draft:
     vocab_size: int | None = None  # tokens the draft proposes from (None: the full vocabulary)
     measurements: list[Measurement] = field(default_factory=list)  # auto precision's calibration
     model: LoadedModel | None = None  # the prepared draft model
+    record: Calibration | None = None  # auto precision's decision: measured now or cached (None: not auto)
 
     @property
     def device(self) -> torch.device:
@@ -39,10 +42,11 @@ class Draft:
 
 
 def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_size: int,
-                target: LoadedModel | None = None) -> Draft:
+                target: LoadedModel | None = None, target_kernel: Calibration | None = None) -> Draft:
     """The proposer `config.draft` names: none, n-gram lookup, or a draft model (prepared at
     `config.draft_quantization`, over `config.draft_vocab_size` tokens, behind prompt lookup when
-    `config.ngram_first`). `target` (optional) is what `auto` precision measures acceptance against."""
+    `config.ngram_first`). `target` (optional) is what `auto` precision measures acceptance and cost
+    against; `target_kernel`, the target's kernel calibration, gives the verify pass's cost curve."""
     if config.draft == "none":
         return Draft(None)
     if config.draft == "ngram":
@@ -56,14 +60,17 @@ def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_si
         from specdec.draft_vocab import draft_token_ids
 
         vocab_ids = draft_token_ids(draft.tokenizer, min(draft.vocab_size, target_vocab_size), config.draft_vocab_size)
-    precision, measurements = config.draft_quantization, []
+    precision, measurements, record = config.draft_quantization, [], None
     if precision == "auto":
-        with stage("choose draft precision", "auto"):
-            precision, measurements = choose_precision(
-                draft.model, draft.tokenizer, draft_source=draft.source,
-                target_model=target.model if target is not None else None,
-                target_source=target.source if target is not None else "", vocab_token_ids=vocab_ids,
-                k_max=config.k_max)
+        slope = VERIFY_SLOPE
+        if target_kernel is not None and target_kernel.predicted.get("verify_ratio"):
+            slope = max(0.0, (target_kernel.predicted["verify_ratio"] - 1) / (VERIFY_TOKENS - 1))
+        with stage("choose draft precision", "auto") as note:
+            precision, measurements, record = choose_precision(
+                draft, target, vocab_token_ids=vocab_ids, k_max=config.k_max, verify_slope=slope,
+                target_kernel=target_kernel.choice if target_kernel is not None else "")
+            if record is not None:
+                note.detail = record.describe()
     with stage("prepare draft", precision + ("" if vocab_ids is None else f", {vocab_ids.numel()}-token vocabulary")):
         model = prepare_draft(draft.model, precision, vocab_ids, source=draft.source)
     prepared = dataclasses.replace(draft, model=model) if model is not draft.model else draft
@@ -73,4 +80,5 @@ def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_si
     logger.info("draft %s: %s, %s vocabulary%s", config.draft, precision,
                 "full" if vocab_ids is None else f"{vocab_ids.numel()}-token",
                 f", prompt lookup first (matches of {config.ngram_first}+)" if config.ngram_first else "")
-    return Draft(proposer, precision, None if vocab_ids is None else int(vocab_ids.numel()), measurements, prepared)
+    return Draft(proposer, precision, None if vocab_ids is None else int(vocab_ids.numel()), measurements, prepared,
+                 record)

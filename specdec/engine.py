@@ -21,7 +21,6 @@ background thread: they are batched, up to `max_batch_size` requests per step.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -32,7 +31,8 @@ import torch
 from specdec import startup
 from specdec.config import EngineConfig, SamplingParams
 from specdec.draft import build_draft
-from specdec.kernels import prepare_target
+from specdec.calibration import runtime_check, summarize
+from specdec.kernels import VERIFY_TOKENS, prepare_target, settle_linear_kernel
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, TargetPool
@@ -63,16 +63,20 @@ class SpeculativeEngine:
         self.startup_seconds: dict[str, float] = {}  # stage -> seconds (`startup.py`), by from_config
         self.target_model = target
         self.tokenizer = target.tokenizer
-        self.linear_kernel = linear_kernel or prepare_target(target.model, config.linear_kernel,
-                                                             speculating=config.draft != "none")
+        kernel = linear_kernel or prepare_target(target.model, config.linear_kernel,
+                                                 speculating=config.draft != "none")
+        self.linear_kernel, self.kernel_record = settle_linear_kernel(target, kernel)
         self.target = ModelRunner(target)
-        built = build_draft(config, draft, self.target.vocab_size, target=target)
+        built = build_draft(config, draft, self.target.vocab_size, target=target, target_kernel=self.kernel_record)
         self.proposer = built.proposer
         self.draft_quantization = built.precision
         self.draft_vocab_size = built.vocab_size
         self.draft_calibration = built.measurements
+        self.draft_record = built.record
         self.draft_model = built.model
         self.costs = CostModel()
+        self.calibration_check = runtime_check(summarize(self.kernel_record, self.linear_kernel),
+                                               summarize(self.draft_record, self.draft_quantization), VERIFY_TOKENS)
         pool = TargetPool(self.target)
         self.target_pool = pool
         self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
@@ -84,6 +88,13 @@ class SpeculativeEngine:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stop = False
+
+    @property
+    def calibration(self) -> dict:
+        """What the load-time measurements chose and from what (`calibration.Record.summary`)."""
+        return {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
+                "draft_precision": summarize(self.draft_record, self.draft_quantization),
+                "contradicted": dict(self.calibration_check.contradicted)}
 
     @property
     def draft_device(self) -> torch.device:
@@ -209,6 +220,7 @@ class SpeculativeEngine:
             try:
                 with torch.inference_mode():
                     self.scheduler.run_once()
+                self.calibration_check.after_step(self.costs)
             except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
                 logger.exception("scheduler step failed")
                 self.scheduler.fail_all(e)

@@ -18,6 +18,13 @@ memory (a GGUF-converted model), far slower on mapped ones. Both are float32 com
 same model, summed in a different order: the same target at the same precision (greedy output
 stays identical to target-only decoding; the tests compare with HF `generate()` on stock kernels).
 
+Which kernel wins depends on the CPU (those figures are a Sapphire Rapids with AVX-512 and AMX; an
+AVX2-only CPU ranks them differently), so `--linear-kernel auto` measures: the linears are
+prepacked with the originals kept, then `settle_linear_kernel` times 1-, 3- and 5-token
+forwards of every candidate through the decoding path, interleaved over rounds
+(`calibration.py`), and keeps the fastest (`torch` unpacks again). The decision is cached per
+(target, threads, CPU model and flags, torch); the first start pays ~10-25 s for it.
+
 A draft only proposes, so it may run at a lower precision (`draft_precision.py` chooses which, by
 measurement). The kernels for it live here too (the 0.5B Qwen draft, one token, ms, 2026-12-04):
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -152,7 +160,8 @@ def available_memory_bytes() -> int | None:
 
 
 def choose_linear_kernel(kernel: str, model: torch.nn.Module, speculating: bool, tensor_parallel: bool) -> str:
-    """Resolve `auto`: oneDNN where verify passes happen (fp32 on the CPU, not tensor-parallel)."""
+    """Check `kernel` for this model; `auto` stays `auto` where there is a choice to measure (float32
+    on the CPU with oneDNN, not tensor-parallel) and becomes `torch` where there is none."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {kernel!r}")
     param = next(model.parameters())
@@ -160,23 +169,28 @@ def choose_linear_kernel(kernel: str, model: torch.nn.Module, speculating: bool,
         and onednn_available()
     if kernel in ("onednn", "hybrid") and not eligible:
         raise ValueError(f"the {kernel} linear kernel needs float32 weights on the CPU without tensor parallelism")
-    if kernel != "auto":
-        return kernel
-    return "onednn" if eligible and speculating else "torch"
+    if kernel == "auto" and not eligible:
+        return "torch"
+    return kernel
 
 
 def prepare_target(model: torch.nn.Module, kernel: str, speculating: bool, tensor_parallel: bool = False) -> str:
-    """Resolve `kernel` for this target and apply it; returns the kernel chosen."""
+    """Apply `kernel` to this target's linears (prepacking runs in a thread while the tokenizer
+    loads); returns the kernel, or `auto` when `settle_linear_kernel` must still measure which wins
+    (the linears are then prepacked with their original weights kept, so every candidate can run)."""
     chosen = choose_linear_kernel(kernel, model, speculating=speculating, tensor_parallel=tensor_parallel)
     apply_linear_kernel(model, chosen)
+    if chosen == "auto" and not any(m.weight is not None for m in model.modules() if isinstance(m, PackedLinear)):
+        return "onednn"  # memory too short to keep the originals: nothing else can run
     return chosen
 
 
 def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> None:
-    """Prepack the linears for `onednn`/`hybrid`. The original weights stay referenced (for the
-    reference runs of `stock_linears`) when they fit in memory twice with 2 GB to spare: free when
-    they are memory-mapped from safetensors; hybrid needs them."""
-    if kernel in ("onednn", "hybrid"):
+    """Prepack the linears for `onednn`/`hybrid` (and `auto`, to measure). The original weights stay
+    referenced (for the reference runs of `stock_linears`, and for `auto`'s `torch` and `hybrid`
+    candidates) when they fit in memory twice with 2 GB to spare: free when they are memory-mapped
+    from safetensors; hybrid needs them."""
+    if kernel in ("onednn", "hybrid", "auto"):
         from specdec.startup import stage
 
         free = available_memory_bytes()
@@ -184,3 +198,123 @@ def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> None:
         with stage("prepare target", f"{kernel}: prepacking the linear layers for oneDNN"):
             count = pack_linears(model, keep_weight=keep, small_batch_mkl=kernel == "hybrid")
         logger.info("prepacked %d linear layers for oneDNN (%s)", count, kernel)
+
+
+def set_linear_mode(model: torch.nn.Module, kernel: str) -> None:
+    """Route every `PackedLinear` of `model` through `kernel` (`onednn`, `hybrid` or `torch`)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.small_batch_mkl = kernel == "hybrid"
+            m.stock = kernel == "torch"
+
+
+def unpack_linears(model: torch.nn.Module) -> int:
+    """Put plain `nn.Linear`s over the original weights back in place of the `PackedLinear`s (frees
+    the packed copies); returns how many."""
+    def restore(packed: PackedLinear) -> torch.nn.Linear:
+        linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None,
+                                 device="meta")
+        linear.weight = packed.weight
+        if packed.bias is not None:
+            linear.bias = packed.bias
+        return linear
+
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.weight is not None]
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, restore(module))
+    return len(found)
+
+
+#: `auto` measures these (in this order of preference on a tie within 2%).
+KERNEL_CANDIDATES = ("onednn", "hybrid", "torch")
+#: The verify pass `auto` times besides the single-token forward: K = 4 proposals + 1.
+VERIFY_TOKENS = 5
+#: The forward sizes `auto` times and adds up: plain decoding (1), a short proposal (3: where MKL
+#: streams the weights once per row, so `hybrid` loses; measured 0.53 s against oneDNN's 0.41 s for
+#: the 1.5B target with AVX2 only) and the default verify pass.
+KERNEL_SIZES = (1, 3, VERIFY_TOKENS)
+
+
+def _kernel_problems(minima: dict[str, float]) -> list[str]:
+    """Physical checks: a verify pass of 5 tokens cannot cost much less than one token's forward."""
+    problems = []
+    for kernel in KERNEL_CANDIDATES:
+        t1, tv = minima.get(f"{kernel}/1"), minima.get(f"{kernel}/{VERIFY_TOKENS}")
+        if t1 and tv and tv < 0.7 * t1:
+            problems.append(f"{kernel}: {VERIFY_TOKENS} tokens measured {tv / t1:.2f}x one token")
+    return problems
+
+
+def settle_linear_kernel(loaded, kernel: str, use_cache: bool = True):
+    """Resolve a pending `auto` (`prepare_target` returned it) by measuring each candidate on this
+    CPU: one forward of each of `KERNEL_SIZES` new tokens after a 128-token prefix, through the
+    runner decoding uses, interleaved over rounds (`calibration.calibrate`); the smallest sum wins.
+    The decision is cached per (target, threads, CPU, torch) unless it was measured under load.
+    Returns (kernel, calibration.Record or None). Other kernels are returned as they are."""
+    if kernel != "auto":
+        return kernel, None
+    from specdec import calibration, model_cache
+    from specdec.model_runner import ModelRunner
+    from specdec.startup import stage
+
+    model = loaded.model
+    key = {**calibration.base_key("linear-kernel"), "target": model_cache.weights_id(loaded.source),
+           "candidates": KERNEL_CANDIDATES, "sizes": KERNEL_SIZES}
+    with stage("choose target kernel") as note:
+        record = calibration.load_record(key) if use_cache and loaded.source else None
+        if record is None:
+            record = _measure_kernels(ModelRunner(loaded), key)
+            if use_cache and loaded.source:
+                calibration.cache_if_trusted(record)
+        note.detail = record.describe()
+    set_linear_mode(model, record.choice)
+    if record.choice == "torch":
+        unpack_linears(model)
+    logger.info("target linear kernel %s", note.detail)
+    return record.choice, record
+
+
+@torch.inference_mode()
+def _measure_kernels(runner, key: dict):
+    from specdec import calibration
+
+    model = runner.model
+    candidates = [k for k in KERNEL_CANDIDATES
+                  if k == "onednn" or all(m.weight is not None for m in model.modules() if isinstance(m, PackedLinear))]
+    vocab = runner.model_vocab_size
+    ids = torch.randint(0, vocab, (128 + VERIFY_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
+    prefix, tail = ids[:128], ids[128:]
+    cache = runner.new_cache()
+    runner.forward(cache, prefix, 1)
+
+    def timer(kernel: str, n: int):
+        def once() -> float:
+            set_linear_mode(model, kernel)
+            start = time.perf_counter()
+            runner.forward(cache, tail[:n], num_logits=n)
+            seconds = time.perf_counter() - start
+            cache.rewind(len(prefix))
+            return seconds
+        return once
+
+    timers = {f"{k}/{n}": timer(k, n) for k in candidates for n in KERNEL_SIZES}
+    for t in timers.values():  # the first call at each shape builds kernels (oneDNN primitives)
+        t()
+    minima, conditions = calibration.calibrate(timers, _kernel_problems, rounds=4, attempts=2)
+    cache.rewind(0)
+    scores = {k: sum(minima[f"{k}/{n}"] for n in KERNEL_SIZES) for k in candidates}
+    best = min(scores.values())
+    choice = next(k for k in candidates if scores[k] <= 1.02 * best)
+    if not conditions.consistent:
+        choice = "onednn"  # the prior where figures cannot be trusted: it won on every CPU measured so far
+    measurements = [{"kernel": k, **{f"seconds_{n}": minima[f"{k}/{n}"] for n in KERNEL_SIZES},
+                     "verify_ratio": minima[f"{k}/{VERIFY_TOKENS}"] / minima[f"{k}/1"]} for k in candidates]
+    chosen = next(m for m in measurements if m["kernel"] == choice)
+    logger.info("target kernels measured (%s): %s", conditions.describe(),
+                "; ".join(f"{m['kernel']} " + ", ".join(f"{n} tokens {1000 * m[f'seconds_{n}']:.1f} ms"
+                                                          for n in KERNEL_SIZES) for m in measurements))
+    return calibration.new_record(key, choice, measurements, conditions,
+                                  predicted={"verify_ratio": chosen["verify_ratio"],
+                                             "target_seconds_1": chosen["seconds_1"]})

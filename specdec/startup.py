@@ -61,15 +61,24 @@ class in_background:  # noqa: N801 - used like a function
         return self._result
 
 
+class _Note:
+    """What a stage found out while it ran (`note.detail = ...`), logged with its time."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+
 @contextlib.contextmanager
-def stage(name: str, detail: str = "") -> Iterator[None]:
-    """Time one start-up stage; log `name detail: N.Ns` when it ends (not when it fails)."""
+def stage(name: str, detail: str = "") -> Iterator[_Note]:
+    """Time one start-up stage; log `name (detail): N.Ns` when it ends (not when it fails). The block
+    may replace the detail with what it decided (`with stage("choose target kernel") as note:`)."""
     start = time.perf_counter()
-    yield
+    note = _Note(detail)
+    yield note
     seconds = time.perf_counter() - start
     for record in _recordings.get():
         record[name] = record.get(name, 0.0) + seconds
-    logger.info("%s%s: %.1fs", name, f" ({detail})" if detail else "", seconds)
+    logger.info("%s%s: %.1fs", name, f" ({note.detail})" if note.detail else "", seconds)
 
 
 def summary(seconds: dict[str, float]) -> str:

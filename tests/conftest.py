@@ -98,6 +98,21 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture
+def trust_any_machine(monkeypatch):
+    """Calibration caches whatever it measures: for tests of what happens to a cached decision, on
+    tiny models whose millisecond timings a busy CI box makes noisy (the load detection and the
+    physical checks have their own tests in tests/specdec/test_calibration.py)."""
+    import specdec.calibration
+    import specdec.draft_precision
+    import specdec.kernels
+
+    monkeypatch.setattr(specdec.calibration, "MAX_OTHERS_CORES", float("inf"))
+    monkeypatch.setattr(specdec.calibration, "MAX_SPREAD", float("inf"))
+    monkeypatch.setattr(specdec.draft_precision, "cost_bound", lambda size_ratio: float("inf"))
+    monkeypatch.setattr(specdec.kernels, "_kernel_problems", lambda minima: [])
+
+
 def start_session_ray() -> None:
     from actors.builder import ensure_ray
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOption, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.dashboard import (DataSourceRef, DataTransformerConfig, VariableOption,
+                                                     VariableRefresh, VariableSort)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 OUTPUT = Path(__file__).with_name("specdec.json")
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -50,6 +52,22 @@ def panel(kind, title: str, description: str, unit: str, targets: list[tuple[str
 ACCEPTED = "ray_specdec_num_accepted_tokens_total"
 DRAFT_TOKENS = "ray_specdec_num_draft_tokens_total"
 DRAFTS = "ray_specdec_num_drafts_total"
+ENGINE_LABELS = ("model_name", "replica", "linear_kernel", "draft_precision", "cpu", "isa")
+
+
+def engine_table():
+    """specdec_engine_info as a table: one row per engine, its labels as columns (an instant query)."""
+    target = (query(f"max by ({', '.join(ENGINE_LABELS)}) (ray_specdec_engine_info{SELECTOR})", "")
+              .instant().format(PromQueryFormat.TABLE))
+    hidden = DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True, "Value": True},
+                                                               "indexByName": {n: i for i, n in
+                                                                               enumerate(ENGINE_LABELS)}})
+    return (table.Panel().title("Engine: kernels and CPU")
+            .description("How each engine runs: the target's linear kernel, the draft model's precision ('none': "
+                         "no draft model, or one run as loaded), and the CPU model and widest vector ISA (amx, "
+                         "avx512, avx2) of its node. Kernel and precision choices that win on one CPU lose on "
+                         "another: read the speed and latency panels with this table.")
+            .datasource(DATASOURCE).span(24).height(5).with_target(target).with_transformation(hidden))
 
 
 def build() -> dict:
@@ -161,7 +179,7 @@ def build() -> dict:
     d = d.with_panel(panel(
         "timeseries", "KV-cache tokens and K",
         "Tokens held in the KV caches of the requests in flight (per role) and K, the number of draft tokens the "
-        "last step asked for (it moves with num_speculative_tokens 'auto').",
+        "last step asked for (it moves with num_speculative_tokens 'auto'; 0 while no request runs).",
         "short",
         [(f"sum by (role) (ray_specdec_kv_cache_tokens{SELECTOR})", "cache tokens {{role}}"),
          (f"max by (model_name) (ray_specdec_num_speculative_tokens{SELECTOR})", "K {{model_name}}")]))
@@ -184,6 +202,9 @@ def build() -> dict:
         "context), cancelled (client gone), timeout (--request-timeout), error (a failed shard).",
         "reqps",
         [(rate("ray_specdec_requests_total", "finish_reason"), "{{finish_reason}}")]))
+
+    d = d.with_row(dashboard.Row("Engine"))
+    d = d.with_panel(engine_table())
     return json.loads(json.dumps(d.build(), cls=JSONEncoder))
 
 

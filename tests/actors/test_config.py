@@ -28,3 +28,9 @@ def test_explicit_placements_and_errors():
     assert not RayEngineConfig(engine=EngineConfig(target="t", draft="none")).colocated  # nothing to colocate
     with pytest.raises(ValueError, match="draft placement must be one of auto, colocated, separate"):
         RayEngineConfig(engine=CONFIG, draft_placement="nearby")
+
+
+def test_health_stall_limit_must_be_positive():
+    assert RayEngineConfig(engine=CONFIG).health_stall_s == 120.0
+    with pytest.raises(ValueError, match="health_stall_s must be > 0"):
+        RayEngineConfig(engine=CONFIG, health_stall_s=0)

@@ -4,8 +4,9 @@ One `specdec serve` subprocess for the module (tiny target, a tiny draft model i
 pipelining runs, two replicas, a fixed metrics port): it prints the API and metrics URLs once
 /health is 200, answers the `openai` client, exports the engine's metrics through Ray's metrics
 agent, and shuts everything down on SIGTERM (the module's last test). A real Prometheus (Debian's
-`prometheus`, installed as the README says) scrapes it with monitoring/prometheus.yml, and every
-query of every panel of monitoring/grafana/specdec.json must return data.
+`prometheus`, installed as the README says) scrapes it with monitoring/prometheus.yml for the whole
+module, and every query of every panel of monitoring/grafana/specdec.json must return data, after
+traffic and again a minute after the last request (the tests between them run during that minute).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Server:
     port: int
     base: str  # the API base URL it printed
     metrics_url: str  # the metrics URL it printed
+    last_request: float | None = None  # time.monotonic() when the last request to it ended
 
     @property
     def client(self) -> openai.OpenAI:
@@ -246,78 +248,75 @@ def prometheus_bin():
                         "(apt-get install -y prometheus)"
 
 
-def test_every_dashboard_query_is_live_in_a_real_prometheus(server, prometheus_bin, tmp_path):
-    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "specdec.json").read_text())
-    queries = _panel_queries(dashboard)
-    assert len(queries) >= 20
-    assert subprocess.run(["promtool", "check", "config", str(ROOT / "monitoring" / "prometheus.yml")],
-                          capture_output=True).returncode == 0
-
-    prom = Prometheus(tmp_path, server.metrics_url)
+@pytest.fixture(scope="module")
+def prometheus(server, prometheus_bin, tmp_path_factory):
+    """A real Prometheus scraping the server every second, for the rest of the module."""
+    prom = Prometheus(tmp_path_factory.mktemp("prometheus"), server.metrics_url)
     try:
-        assert subprocess.run(["promtool", "check", "config", str(prom.config)], capture_output=True,
-                              text=True).returncode == 0
-        prom.wait_ready()
-        prom.wait_for('up{job="specdec"}', lambda v: v == 1)
-        before = _stable_totals(server.metrics_url)
-        prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == before["ray_specdec_num_draft_tokens"])
-
-        # Two waves, each scraped: every rate() window sees the counters and histograms move.
-        expected = _traffic(server.client)
-        first = before["ray_specdec_num_draft_tokens"] + expected["ray_specdec_num_draft_tokens"]
-        prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == first)
-        for metric, value in _traffic(server.client).items():
-            expected[metric] += value
-        assert expected["ray_specdec_num_accepted_tokens"] < expected["ray_specdec_num_draft_tokens"]  # rejections
-        assert expected["ray_specdec_pipeline_hits"] > 0 and expected["ray_specdec_pipeline_misses"] > 0
-
-        # The counters' deltas are the sums over the responses, on the agent's exposition...
-        want = {m: before[m] + expected[m] for m in CHECKED}
-        deadline = time.monotonic() + 60
-        while (now := _totals(server.metrics_url)) != want and time.monotonic() < deadline:
-            time.sleep(1)
-        assert now == want
-        exposition = httpx.get(server.metrics_url, timeout=10).text
-        rc, problems = _promtool_check_metrics(exposition)
-        assert rc in (0, 3), problems  # it parses (1: a parse error); 3: lint problems, Ray's own (below)
-        rc, problems = _promtool_check_metrics(_ours_with_snake_case_ray_labels(exposition))
-        assert rc == 0, problems
-        # ... and in Prometheus.
-        for metric, value in want.items():
-            prom.wait_for(f"sum({metric}_total)", lambda v, value=value: v == value)
-        replicas = httpx.get(f"{prom.url}/api/v1/label/replica/values",
-                             params={"match[]": "ray_specdec_requests_total"}).json()["data"]
-        assert len(replicas) == 2
-        assert httpx.get(f"{prom.url}/api/v1/label/model_name/values",
-                         params={"match[]": "ray_specdec_requests_total"}).json()["data"] == [MODEL]
-
-        empty = []
-        for title, expr in queries:
-            result = prom.query(_as_promql(expr))
-            if not _finite(result):
-                empty.append(f"{title}: {expr} -> {result}")
-        assert not empty, "panels without data:\n" + "\n".join(empty)
-
-        acceptance = prom.query(_as_promql(queries[0][1]))[0]["value"][1]
-        assert 0 < float(acceptance) < 1
+        yield prom
     finally:
         prom.stop()
 
 
-def test_specdec_serve_stops_on_sigterm(server):
-    proc = server.proc
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=90) == 0
-    err = proc.stderr.read()
-    assert "ready in" in err and "shutting down" in err and server.metrics_url in err
-    # Where the start-up went: this process's phases, then the replica's target shard's stages (the
-    # draft is a separate actor here: its stages are its own).
-    (startup,) = [line for line in err.splitlines() if line.startswith("[specdec serve] start-up: ")]
-    for phase in ("imports", "Ray", "Serve", "replicas", "in the replica: its engine's actors started and loaded in",
-                  "the target shard's stages: load target", "prepare target", "load target tokenizer"):
-        assert phase in startup, startup
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
+@pytest.fixture(scope="module")
+def queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel of the checked-in dashboard."""
+    queries = _panel_queries(json.loads((ROOT / "monitoring" / "grafana" / "specdec.json").read_text()))
+    assert len(queries) >= 20
+    return queries
+
+
+def _panels_without_data(prom: Prometheus, queries: list[tuple[str, str]]) -> list[str]:
+    return [f"{title}: {expr} -> {result}" for title, expr in queries
+            if not _finite(result := prom.query(_as_promql(expr)))]
+
+
+def test_every_dashboard_query_is_live_in_a_real_prometheus(server, prometheus, queries):
+    prom = prometheus
+    assert subprocess.run(["promtool", "check", "config", str(ROOT / "monitoring" / "prometheus.yml")],
+                          capture_output=True).returncode == 0
+    assert subprocess.run(["promtool", "check", "config", str(prom.config)], capture_output=True,
+                          text=True).returncode == 0
+    prom.wait_ready()
+    prom.wait_for('up{job="specdec"}', lambda v: v == 1)
+    before = _stable_totals(server.metrics_url)
+    prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == before["ray_specdec_num_draft_tokens"])
+
+    # Two waves, each scraped: every rate() window sees the counters and histograms move.
+    expected = _traffic(server.client)
+    first = before["ray_specdec_num_draft_tokens"] + expected["ray_specdec_num_draft_tokens"]
+    prom.wait_for("sum(ray_specdec_num_draft_tokens_total)", lambda v: v == first)
+    for metric, value in _traffic(server.client).items():
+        expected[metric] += value
+    server.last_request = time.monotonic()  # the module's last: the idle test below counts from here
+    assert expected["ray_specdec_num_accepted_tokens"] < expected["ray_specdec_num_draft_tokens"]  # rejections
+    assert expected["ray_specdec_pipeline_hits"] > 0 and expected["ray_specdec_pipeline_misses"] > 0
+
+    # The counters' deltas are the sums over the responses, on the agent's exposition...
+    want = {m: before[m] + expected[m] for m in CHECKED}
+    deadline = time.monotonic() + 60
+    while (now := _totals(server.metrics_url)) != want and time.monotonic() < deadline:
+        time.sleep(1)
+    assert now == want
+    exposition = httpx.get(server.metrics_url, timeout=10).text
+    rc, problems = _promtool_check_metrics(exposition)
+    assert rc in (0, 3), problems  # it parses (1: a parse error); 3: lint problems, Ray's own (below)
+    rc, problems = _promtool_check_metrics(_ours_with_snake_case_ray_labels(exposition))
+    assert rc == 0, problems
+    # ... and in Prometheus.
+    for metric, value in want.items():
+        prom.wait_for(f"sum({metric}_total)", lambda v, value=value: v == value)
+    replicas = httpx.get(f"{prom.url}/api/v1/label/replica/values",
+                         params={"match[]": "ray_specdec_requests_total"}).json()["data"]
+    assert len(replicas) == 2
+    assert httpx.get(f"{prom.url}/api/v1/label/model_name/values",
+                     params={"match[]": "ray_specdec_requests_total"}).json()["data"] == [MODEL]
+
+    empty = _panels_without_data(prom, queries)
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+
+    acceptance = prom.query(_as_promql(queries[0][1]))[0]["value"][1]
+    assert 0 < float(acceptance) < 1
 
 
 @pytest.mark.parametrize("args, words", [
@@ -358,3 +357,48 @@ def test_a_metrics_agent_that_never_answers_fails_the_start_with_a_clear_message
     url = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
     with pytest.raises(RuntimeError, match="Ray's metrics agent is not exporting at " + re.escape(url)):
         _wait_metrics(url, timeout_s=1.5)
+
+
+#: How long the service stays idle before the second look at the dashboard: Ray's agent dropped a
+#: gauge some 20 s after it was last set (`actors/metrics.py`), so a minute leaves no doubt.
+IDLE_S = 60.0
+
+
+def test_every_dashboard_query_has_data_a_minute_after_the_last_request(server, prometheus, queries):
+    """The gauges too (requests running and waiting, KV-cache tokens, K, the engine info): each engine
+    re-sets them, and they read idle. The tests above ran during the minute."""
+    from specdec.cpu import cpu_info
+
+    assert server.last_request is not None, "test_every_dashboard_query_is_live_in_a_real_prometheus sends traffic"
+    time.sleep(max(0.0, server.last_request + IDLE_S - time.monotonic()))
+    assert prometheus.query('up{job="specdec"}')[0]["value"][1] == "1"
+    empty = _panels_without_data(prometheus, queries)
+    assert not empty, f"panels without data after {IDLE_S:.0f}s idle:\n" + "\n".join(empty)
+
+    for gauge in ("ray_specdec_requests_running", "ray_specdec_requests_waiting", "ray_specdec_kv_cache_tokens",
+                  "ray_specdec_num_speculative_tokens"):
+        series = prometheus.query(f"max by (model_name, replica) ({gauge})")
+        assert len(series) == 2 and all(s["value"][1] == "0" for s in series), (gauge, series)
+    engines = [s["metric"] for s in prometheus.query("ray_specdec_engine_info == 1")]
+    assert len({e["replica"] for e in engines}) == 2, engines
+    linear_kernel = server.client.models.list().data[0].model_extra["specdec"]["linear_kernel"]
+    for engine in engines:
+        assert engine["model_name"] == MODEL and engine["linear_kernel"] == linear_kernel, engine
+        assert engine["cpu"] == cpu_info().model and engine["isa"] == cpu_info().isa, engine
+        assert engine.get("draft_precision") not in (None, "None"), engine  # a draft model: its precision
+
+
+def test_specdec_serve_stops_on_sigterm(server):
+    proc = server.proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    err = proc.stderr.read()
+    assert "ready in" in err and "shutting down" in err and server.metrics_url in err
+    # Where the start-up went: this process's phases, then the replica's target shard's stages (the
+    # draft is a separate actor here: its stages are its own).
+    (startup,) = [line for line in err.splitlines() if line.startswith("[specdec serve] start-up: ")]
+    for phase in ("imports", "Ray", "Serve", "replicas", "in the replica: its engine's actors started and loaded in",
+                  "the target shard's stages: load target", "prepare target", "load target tokenizer"):
+        assert phase in startup, startup
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)

@@ -12,7 +12,8 @@ import torch
 import specdec.draft_vocab
 import specdec.proposers.model
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.draft_precision import CANDIDATES, Measurement, choose_precision, expected_speedup, pick, prepare_draft
+from specdec.draft_precision import (CANDIDATES, Measurement, candidates_here, choose_precision, expected_speedup,
+                                     pick, prepare_draft)
 from specdec.draft_vocab import ReducedVocabHead, draft_token_ids
 from specdec.models import load_model
 from tests.distribution import chi_square_pvalue, exact_pair_distribution, sample_pair
@@ -40,6 +41,7 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("settings", [
     pytest.param({"draft_quantization": "none"}, id="none"),
+    pytest.param({"draft_quantization": "float32"}, id="float32"),
     pytest.param({"draft_quantization": "bfloat16"}, id="bfloat16"),
     pytest.param({"draft_quantization": "int8"}, id="int8"),
     pytest.param({"draft_quantization": "int8-weight"}, id="int8-weight"),
@@ -120,17 +122,21 @@ def test_draft_vocabulary_ranks_by_frequency_and_keeps_special_tokens(private_ca
 
 
 def test_auto_precision_measures_against_the_target_and_caches_the_decision(tiny_llama, tiny_llama_draft,
-                                                                             private_cache):
+                                                                             private_cache, trust_any_machine):
     target, draft = load_model(str(tiny_llama)), load_model(str(tiny_llama_draft))
-    chosen, measured = choose_precision(draft.model, draft.tokenizer, draft_source=draft.source,
-                                        target_model=target.model, target_source=target.source)
-    assert chosen in CANDIDATES
-    assert {m.precision for m in measured} == set(CANDIDATES)
+    chosen, measured, record = choose_precision(draft, target)
+    measurable, skipped = candidates_here(draft.device)
+    assert chosen in measurable and set(skipped) <= {"bfloat16", "float32"}
+    assert {m.precision for m in measured} == set(measurable)
     assert all(0.0 <= m.agreement <= 1.0 and m.seconds > 0 and m.speedup > 0 for m in measured)
-    assert pick(measured).precision == chosen
-    again, measured_again = choose_precision(draft.model, draft.tokenizer, draft_source=draft.source,
-                                             target_model=target.model, target_source=target.source)
+    # A perturbed copy of the target agrees with it on most positions of the calibration text.
+    assert max(m.agreement for m in measured) > 0.5
+    assert record.choice == chosen and record.cached and record.conditions["rounds"] >= 5
+    assert pick(measured).precision == chosen and record.conditions["consistent"]
+    assert record.cpu["model"] and record.measured_at.startswith("20")
+    again, measured_again, cached = choose_precision(draft, target)
     assert (again, measured_again) == (chosen, [])  # from the cache: nothing measured
+    assert cached.path == record.path and cached.predicted == record.predicted
 
 
 def test_auto_never_picks_a_precision_expected_to_lose_to_the_unquantized_draft():

@@ -130,8 +130,8 @@ def test_engine_records_and_announces_its_startup_stages(tiny_qwen2, tiny_qwen2_
     engine = SpeculativeEngine.from_pretrained(str(tiny_qwen2), draft=str(tiny_qwen2_draft),
                                                draft_quantization="int8-weight")
     # The target's linears are prepacked in a thread while its tokenizer loads; the draft reuses that tokenizer.
-    assert sorted(engine.startup_seconds) == ["load draft", "load target", "load target tokenizer", "prepare draft",
-                                              "prepare target"]
+    assert sorted(engine.startup_seconds) == ["choose target kernel", "load draft", "load target",
+                                              "load target tokenizer", "prepare draft", "prepare target"]
     assert all(s >= 0 for s in engine.startup_seconds.values())
     lines = [r.getMessage() for r in caplog.records if r.name == "specdec.startup"]
     assert sorted(line.split(" (")[0].split(":")[0] for line in lines) == sorted(engine.startup_seconds)
