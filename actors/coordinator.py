@@ -311,14 +311,23 @@ class Coordinator:
         return error
 
     def _rebuild(self, reason: str) -> None:
-        """Replace the whole shard group (its process group cannot lose a member); blocks the scheduler."""
-        logger.warning("rebuilding the target shard group: %s", reason)
+        """Replace the whole shard group (its process group cannot lose a member); blocks the scheduler.
+        Not while shutting down: the kill that fails a running call would otherwise start a new group
+        (actors and a placement group) that nothing owns any more."""
         kill_target_group(self.group)
         self.group = None
+        if self._stopping:
+            return
+        logger.warning("rebuilding the target shard group: %s", reason)
         try:
-            self.group = asyncio.run_coroutine_threadsafe(create_target_group(self.config), self._loop).result()
+            group = asyncio.run_coroutine_threadsafe(create_target_group(self.config), self._loop).result()
         except Exception:  # noqa: BLE001 - the next step fails with a clear error and retries
             logger.exception("rebuilding the target shard group failed")
+            return
+        if self._stopping:  # shut down while it was being built
+            kill_target_group(group)
+            return
+        self.group = group
 
     def _shards(self) -> list:
         if self.group is None:
