@@ -74,6 +74,10 @@ DRAFT_PRECISIONS = ("auto", "none", "float32", "bfloat16", "int8", "int8-weight"
 AUTO = "auto"
 
 
+#: The largest K: sliding-window layers keep 4x this to rewind (`kv_cache.ROLLBACK_TOKENS`).
+MAX_SPECULATIVE_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine is built: which models, where, and how much it speculates.
@@ -124,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}")
         if not isinstance(self.max_speculative_tokens, int) or self.max_speculative_tokens < 1:
             raise ValueError(f"max_speculative_tokens must be >= 1, got {self.max_speculative_tokens!r}")
+        if self.k_max > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"k must be at most {MAX_SPECULATIVE_TOKENS}, got {self.k_max}: sliding-window caches "
+                             f"keep {MAX_SPECULATIVE_TOKENS * 4} positions to rewind a rejected proposal")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

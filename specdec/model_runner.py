@@ -1,8 +1,10 @@
-"""Forward passes of one causal LM over new tokens, on a sequence's KV cache.
+"""Forward passes of one causal LM over new tokens of one or many requests, each on its own KV cache.
 
-The model is a stock transformers model; the runner only feeds it the tokens the cache does not
-hold yet and returns the logits of the last `num_logits` positions, aligned to a fixed vocabulary
-size so target and draft logits can be compared position by position.
+The model is a stock transformers model. Every forward is a flat batch (`specdec.flat_batch`): the
+new tokens of all its rows packed into one sequence, each row attending to its own cache, so a
+single request is a batch of one and a batch costs no copy of anyone's past. The runner returns
+the logits of the positions asked for, aligned to a fixed vocabulary size so target and draft
+logits can be compared position by position.
 """
 
 from __future__ import annotations
@@ -11,8 +13,24 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.kv_cache import BatchedKV, KVCache
+from specdec.flat_batch import FlatBatch, check_supported, flat_forward
+from specdec.kv_cache import KVCache
 from specdec.models import LoadedModel
+
+
+class RowBatch:
+    """Rows that run a series of forwards together (the draft's K proposal positions). Nothing is
+    gathered: each forward packs the rows' new tokens and writes into their own caches."""
+
+    def __init__(self, caches: Sequence[KVCache]) -> None:
+        self.caches = list(caches)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(c) for c in self.caches]
+
+    def write_back(self) -> None:
+        """Nothing to do: forwards wrote straight into the rows' caches (kept for callers' symmetry)."""
 
 
 class ModelRunner:
@@ -26,11 +44,48 @@ class ModelRunner:
         # The vocabulary the logits are reported in (the target's, for a draft with padded embeddings).
         self.vocab_size = vocab_size or self.model_vocab_size
         self.max_context = loaded.max_context
+        check_supported(self.model.config)
+
+    #: every forward is flat (read by `benchmarks.step_profile`)
+    flat = True
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model.config)
 
+    def _check_context(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]]) -> None:
+        for cache, tokens in zip(caches, token_lists):
+            if len(cache) + len(tokens) > self.max_context:
+                raise ValueError(f"sequence of {len(cache) + len(tokens)} tokens exceeds the model's context of "
+                                 f"{self.max_context}")
+
     @torch.inference_mode()
+    def forward_packed(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
+                       num_logits: Sequence[int]) -> list[torch.Tensor | None]:
+        """One flat forward: row i appends `token_lists[i]` (empty: it sits this one out) to `caches[i]`
+        and gets the float32 logits of its last `num_logits[i]` new positions, `[num_logits[i], vocab]`
+        (None when it sat out). Each row's logits are those it gets alone, up to float summation order."""
+        self._check_context(caches, token_lists)
+        live = [i for i, t in enumerate(token_lists) if t]
+        if not live:
+            raise ValueError("forward needs at least one new token")
+        batch, input_ids = FlatBatch.pack([caches[i] for i in live], [token_lists[i] for i in live], self.device)
+        keep = []  # [num_logits_total] packed positions whose logits are returned
+        for j, i in enumerate(live):
+            end = batch.query_start_loc[j + 1]
+            keep.extend(range(end - num_logits[i], end))
+        with flat_forward(self.model, batch) as cache:
+            out = self.model(input_ids=input_ids, position_ids=batch.position_ids, cache=cache, use_cache=True,
+                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
+        for j, i in enumerate(live):
+            caches[i].append(token_lists[i])
+        logits = self._to_vocab(out.logits[0].float())  # [num_logits_total, vocab]
+        rows: list[torch.Tensor | None] = [None] * len(token_lists)
+        offset = 0
+        for i in live:
+            rows[i] = logits[offset : offset + num_logits[i]]
+            offset += num_logits[i]
+        return rows
+
     def forward(self, cache: KVCache, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Append `token_ids` to `cache` and return the logits of its last `num_logits` positions.
 
@@ -39,56 +94,24 @@ class ModelRunner:
         """
         if not token_ids:
             raise ValueError("forward needs at least one new token")
-        if len(cache) + len(token_ids) > self.max_context:
-            raise ValueError(
-                f"sequence of {len(cache) + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
-            )
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, num_new]
-        out = self.model(input_ids=input_ids, cache=cache.cache, use_cache=True, logits_to_keep=num_logits)
-        cache.append(token_ids)
-        logits = out.logits[0, -num_logits:].float()  # [num_logits, model_vocab_size]
-        return self._to_vocab(logits)
+        return self.forward_packed([cache], [token_ids], [num_logits])[0]
 
     def can_batch(self, caches: Sequence[KVCache]) -> bool:
-        return len(caches) > 1 and all(c.batchable for c in caches)
+        return len(caches) > 1
 
-    @torch.inference_mode()
-    def open_batch(self, caches: Sequence[KVCache], extra: int) -> BatchedKV:
-        """Gather `caches` into one padded batch with room for `extra` more positions per row."""
-        return BatchedKV(caches, self.model.config, extra)
+    def open_batch(self, caches: Sequence[KVCache], extra: int = 0) -> RowBatch:
+        """Rows for a series of `forward_rows` calls (`extra`: unused, nothing is reserved or gathered)."""
+        return RowBatch(caches)
 
-    @torch.inference_mode()
-    def forward_rows(self, batch: BatchedKV, token_lists: Sequence[Sequence[int]],
+    def forward_rows(self, batch: RowBatch, token_lists: Sequence[Sequence[int]],
                      num_logits: Sequence[int]) -> list[torch.Tensor | None]:
-        """One forward of every row of `batch`: row i appends `token_lists[i]` (empty: it idles) and
-        gets the logits of its last `num_logits[i]` new positions, `[num_logits[i], vocab]` (None when
-        it idled). Each row's logits are those it would get alone (up to float summation order)."""
-        for cache_len, tokens in zip(batch.lengths, token_lists):
-            if cache_len + len(tokens) > self.max_context:
-                raise ValueError(f"sequence of {cache_len + len(tokens)} tokens exceeds the model's context of "
-                                 f"{self.max_context}")
-        kwargs = batch.inputs(token_lists, self.device)
-        width = kwargs["input_ids"].shape[1]
-        out = self.model(**kwargs, logits_to_keep=width)
-        logits = out.logits.float()  # [rows, width, model_vocab]
-        rows = []
-        for row, (tokens, n) in enumerate(zip(token_lists, num_logits)):
-            if not tokens:
-                rows.append(None)
-                continue
-            rows.append(self._to_vocab(logits[row, len(tokens) - n : len(tokens)]))
-        return rows
+        """`forward_packed` over `batch`'s rows."""
+        return self.forward_packed(batch.caches, token_lists, num_logits)
 
-    @torch.inference_mode()
     def forward_batch(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
                       num_logits: Sequence[int]) -> list[torch.Tensor]:
-        """`forward` of many caches in one batched pass (one alone runs unbatched)."""
-        if not self.can_batch(caches):
-            return [self.forward(c, t, n) for c, t, n in zip(caches, token_lists, num_logits)]
-        batch = self.open_batch(caches, max(len(t) for t in token_lists))
-        rows = self.forward_rows(batch, token_lists, num_logits)
-        batch.write_back()
-        return rows
+        """`forward` of many caches in one flat pass."""
+        return self.forward_packed(caches, token_lists, num_logits)
 
     def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v, mv = self.vocab_size, logits.shape[-1]

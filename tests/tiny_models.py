@@ -53,7 +53,48 @@ def make_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, h
         return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch in FAMILIES:
+        return family_config(arch, common)
     raise ValueError(arch)
+
+
+#: Sliding window of the tiny sliding-window families: prompts and generations cross it.
+TINY_WINDOW = 8
+
+#: Decoder families users deploy, as tiny configs: `model_type` and what makes each one itself
+#: (sliding windows, local/global layers, soft-capping, sinks, experts). Keys are test ids.
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 0,
+                                "layer_types": ["sliding_attention", "sliding_attention"]}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "mistral": ("mistral", {"sliding_window": TINY_WINDOW, "head_dim": 16}),
+    "gemma": ("gemma", {"head_dim": 16}),
+    "gemma2": ("gemma2", {"sliding_window": TINY_WINDOW, "head_dim": 16, "query_pre_attn_scalar": 16,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3_text": ("gemma3_text", {"sliding_window": TINY_WINDOW, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "attn_logit_softcapping": 50.0}),
+    "cohere2": ("cohere2", {"sliding_window": TINY_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
+    "starcoder2": ("starcoder2", {"sliding_window": TINY_WINDOW}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": TINY_WINDOW, "head_dim": 16, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]}),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0]}),
+}
+
+
+def family_config(family: str, common: dict):
+    from transformers import AutoConfig
+
+    model_type, extra = FAMILIES[family]
+    return AutoConfig.for_model(model_type, **{**common, **extra})
 
 
 def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int = 0, tokenizer=None,

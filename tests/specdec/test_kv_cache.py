@@ -11,8 +11,8 @@ from specdec.sampling import make_generator
 
 
 def assert_caches_close(a, b):
-    assert len(a) == len(b) == a.cache.get_seq_length() == b.cache.get_seq_length()
-    for la, lb in zip(a.cache.layers, b.cache.layers):
+    assert len(a) == len(b) == a.layers[0].length == b.layers[0].length
+    for la, lb in zip(a.layers, b.layers):
         torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
 
@@ -42,7 +42,7 @@ def test_rewind_to_prefix_of_keeps_common_prefix(runner):
     cache = runner.new_cache()
     runner.forward(cache, [1, 2, 3, 4, 5])
     assert cache.rewind_to_prefix_of([1, 2, 3, 9, 9, 9]) == 3
-    assert cache.token_ids == [1, 2, 3] and cache.cache.get_seq_length() == 3
+    assert cache.token_ids == [1, 2, 3] and all(layer.length == 3 for layer in cache.layers)
 
 
 def test_rewind_out_of_range_raises(runner):

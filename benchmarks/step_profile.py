@@ -1,0 +1,145 @@
+"""Time one batched decoding step at long context: where the time goes, and how many KV bytes move.
+
+Run: `python -m benchmarks.step_profile --rows 1,4,8 --context 2000 --out docs/bench/...`.
+
+For each row count it builds that many request caches of `--context` tokens (one real prefill of a
+source-file prompt, copied: the timing does not depend on the tokens), then times, as the scheduler
+runs them, a target verify forward of K+1 tokens per row and K draft forwards of one token per row.
+Each is split into the model's forward (`model(...)`) and everything else (packing the batch,
+gathering and writing back caches), and the bytes of KV the step copies are counted. Medians over
+`--repeats` runs, each on caches rewound to the same length. It runs against whichever `specdec` is
+importable, so the same script measures the code before and after a change (same day, same box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _bytes_per_token(cache) -> int:
+    total = 0
+    for layer in _layers(cache):
+        k = layer.keys
+        if k is not None and k.numel():
+            total += 2 * k[..., :1, :].numel() * k.element_size()
+    return total
+
+
+def _layers(cache):
+    inner = getattr(cache, "cache", None)
+    return inner.layers if inner is not None and hasattr(inner, "layers") else cache.layers
+
+
+def _timed_model(model):
+    """Wrap `model.forward` to add up the seconds spent inside it."""
+    spent = [0.0]
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    model.forward = forward
+    return spent
+
+
+def _copy_cache(runner, cache):
+    return copy.deepcopy(cache)
+
+
+def profile(spec: str, rows_list: list[int], context_ids: list[int], k: int, repeats: int,
+            kernel: str) -> list[dict]:
+    from specdec.kernels import prepare_target, settle_linear_kernel
+    from specdec.model_runner import ModelRunner
+    from specdec.models import load_model
+
+    loaded = load_model(spec)
+    chosen = prepare_target(loaded.model, kernel, speculating=True)
+    chosen, _ = settle_linear_kernel(loaded, chosen)
+    runner = ModelRunner(loaded)
+    base = runner.new_cache()
+    for start in range(0, len(context_ids), 512):
+        runner.forward(base, context_ids[start:start + 512])
+    per_token = _bytes_per_token(base.cache if hasattr(base, "cache") else base)
+    spent = _timed_model(loaded.model)
+    results = []
+    for rows in rows_list:
+        caches = [base] + [_copy_cache(runner, base) for _ in range(rows - 1)]
+        length = len(base)
+        for name, tokens_per_row, forwards in (("verify", k + 1, 1), ("draft", 1, k)):
+            totals, inside = [], []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                for c in caches:
+                    c.rewind(length)
+                spent[0] = 0.0
+                start = time.perf_counter()
+                if rows == 1:
+                    for f in range(forwards):
+                        runner.forward(caches[0], [100 + f] * tokens_per_row, tokens_per_row)
+                else:
+                    batch = runner.open_batch(caches, tokens_per_row * forwards)
+                    for f in range(forwards):
+                        runner.forward_rows(batch, [[100 + f] * tokens_per_row] * rows, [tokens_per_row] * rows)
+                    batch.write_back()
+                totals.append(time.perf_counter() - start)
+                inside.append(spent[0])
+            totals, inside = totals[1:], inside[1:]
+            total, model = statistics.median(totals), statistics.median(inside)
+            new = rows * tokens_per_row * forwards
+            gathered = 0 if rows == 1 or _flat(runner) else rows * length + new  # gather + write-back
+            results.append({
+                "phase": name, "rows": rows, "context": length, "tokens_per_row": tokens_per_row,
+                "forwards": forwards, "step_s": total, "model_forward_s": model, "other_s": max(0.0, total - model),
+                "other_share": max(0.0, total - model) / total,
+                "kv_bytes_copied": (gathered * per_token) if gathered else new * per_token,
+                "kv_bytes_per_token": per_token, "kernel": chosen,
+            })
+            print(json.dumps(results[-1]), flush=True)
+        for c in caches[1:]:
+            c.rewind(0)
+    return results
+
+
+def _flat(runner) -> bool:
+    return getattr(runner, "flat", False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--prompts", default="benchmarks/data/source-2k.jsonl")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    from specdec.cpu import cpu_info
+    from specdec.models import load_tokenizer
+
+    prompt = json.loads(Path(args.prompts).read_text().splitlines()[0])["prompt"]
+    tokenizer = load_tokenizer(args.target)
+    ids = tokenizer(prompt)["input_ids"][: args.context]
+    rows = [int(r) for r in args.rows.split(",")]
+    results = profile(args.target, rows, ids, args.k, args.repeats, args.kernel)
+    meta = {"label": args.label, "target": args.target, "cpu": cpu_info().as_dict(), "k": args.k,
+            "repeats": args.repeats, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
