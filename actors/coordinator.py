@@ -44,6 +44,7 @@ import ray
 from actors.config import RayEngineConfig
 from actors.groups import HEALTH_GROUP, create_draft_worker, create_target_group, kill_target_group, reserve_draft
 from actors.metrics import GAUGE_REFRESH_S, EngineMetrics
+from specdec.backends import DraftCapabilities
 from specdec.calibration import runtime_check
 from specdec.kernels import VERIFY_TOKENS
 from specdec.models import check_same_vocabulary, load_tokenizer
@@ -373,9 +374,10 @@ class _RemoteDraft:
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.c = coordinator
-        self.concurrent = coordinator.draft is not None  # its own process: pre-drafting overlaps the verify
-        self.pipeline = coordinator.config.pipeline
-        self.per_token = coordinator.config.engine.draft != "ngram"
+        self.capabilities = DraftCapabilities(
+            concurrent=coordinator.draft is not None,  # its own process: pre-drafting overlaps the verify
+            pipeline=coordinator.config.pipeline,
+            per_token=coordinator.config.engine.draft != "ngram")
 
     def submit_propose(self, rows):
         actor = self.c.draft if self.c.draft is not None else self.c._shards()[0]

@@ -256,7 +256,7 @@ class RequestMetrics:
         self._hold(target=target_cache_tokens)
 
     def step(self, step) -> None:
-        """One verify step committed: the core scheduler's `StepInfo` for this request (the core's stats
+        """One verify step committed: the core's `specdec.step.StepInfo` for this request (the core's stats
         got the same numbers)."""
         engine, now = self.engine, time.perf_counter()
         engine._k = step.k  # set with the other gauges, by `_hold` below

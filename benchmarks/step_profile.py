@@ -1,10 +1,12 @@
 """Time one batched decoding step at long context: where the time goes, and how many KV bytes move.
 
-Run: `python -m benchmarks.step_profile --rows 1,4,8 --context 2000 --out docs/bench/...`.
+Run: `python -m benchmarks.step_profile --rows 1,4,8 --context 2000 --out step.json`; compare two runs
+with `python -m benchmarks.step_profile --compare before.json after.json --out plot.png`.
 
 For each row count it builds that many request caches of `--context` tokens (one real prefill of a
 source-file prompt, copied: the timing does not depend on the tokens), then times, as the scheduler
-runs them, a target verify forward of K+1 tokens per row and K draft forwards of one token per row.
+runs them, a target verify forward of K+1 tokens per row and K single-token forwards per row (the
+shape of the draft's proposal forwards, run here on the target; recorded as phase "draft").
 Each is split into the model's forward (`model(...)`) and everything else (packing the batch,
 gathering and writing back caches), and the bytes of KV the step copies are counted. Medians over
 `--repeats` runs, each on caches rewound to the same length. It runs against whichever `specdec` is
@@ -114,6 +116,44 @@ def _flat(runner) -> bool:
     return getattr(runner, "flat", False)
 
 
+def compare(before: dict, after: dict, plot_path: Path | None = None) -> str:
+    """Markdown table of two profiles (before/after), and a bar plot of step seconds if asked."""
+    cpu = after["meta"]["cpu"]
+    lines = [f"CPU: {cpu.get('model')} ({cpu.get('isa')}); target {after['meta']['target']}, K={after['meta']['k']}, "
+             f"medians of {after['meta']['repeats']} runs; before: {before['meta']['label']} "
+             f"({before['meta']['measured_at']}), after: {after['meta']['label']} ({after['meta']['measured_at']}).",
+             "",
+             "| phase | rows x context | step s before | step s after | after/before | outside the forward before "
+             "| after | KV bytes copied before | after |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    pairs = [(b, a) for b in before["results"] for a in after["results"]
+             if (b["phase"], b["rows"]) == (a["phase"], a["rows"])]
+    for b, a in pairs:
+        phase = "verify (K+1 tokens/row)" if a["phase"] == "verify" else f"{a['forwards']} decode forwards (1 token/row)"
+        lines.append(f"| {phase} | {a['rows']} x {a['context']} | {b['step_s']:.3f} | {a['step_s']:.3f} | "
+                     f"{a['step_s'] / b['step_s']:.2f}x | {100 * b['other_share']:.1f}% | {100 * a['other_share']:.2f}% | "
+                     f"{b['kv_bytes_copied'] / 1e6:.1f} MB | {a['kv_bytes_copied'] / 1e6:.1f} MB |")
+    if plot_path is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [("verify" if a["phase"] == "verify" else f"{a['forwards']}x decode") + f"\n{a['rows']} rows"
+                  for _, a in pairs]
+        x = range(len(pairs))
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.bar([i - 0.2 for i in x], [b["step_s"] for b, _ in pairs], 0.4, label="before (padded gather)")
+        ax.bar([i + 0.2 for i in x], [a["step_s"] for _, a in pairs], 0.4, label="after (flat batch)")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"one step at {pairs[0][1]['context']} tokens of context per row ({cpu.get('isa')})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=110)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -125,7 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="instead: write a Markdown table (and --out PNG plot) of two profiles")
     args = parser.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(p.read_text()) for p in args.compare)
+        print(compare(before, after, args.out))
+        return
     torch.set_num_threads(2)
     from specdec.cpu import cpu_info
     from specdec.models import load_tokenizer

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec import startup
+from specdec.backends import DraftCapabilities
 from specdec.config import EngineConfig, SamplingParams
 from specdec.draft import build_draft
 from specdec.calibration import runtime_check, summarize
@@ -37,7 +38,6 @@ from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, TargetPool
 from specdec.prompt import Prompt, resolve_prompt, tokenize_prompt
-from specdec.proposers import DraftModelProposer, HybridProposer
 from specdec.request import GenerationRequest, as_request
 from specdec.scheduler import Scheduler, received
 from specdec.sequence import GenerationOutput, StreamChunk
@@ -98,8 +98,7 @@ class SpeculativeEngine:
 
     @property
     def draft_device(self) -> torch.device:
-        return self.proposer.runner.device if isinstance(self.proposer, (DraftModelProposer, HybridProposer)) \
-            else torch.device("cpu")
+        return self.proposer.device
 
     @classmethod
     def from_pretrained(
@@ -238,7 +237,7 @@ class LocalTarget:
         return lambda: results
 
     def rewind(self, rows):
-        return self.pool.rewind(rows)
+        return [[length] for length in self.pool.rewind(rows)]  # one shard
 
     def release(self, request_ids):
         self.pool.release(request_ids)
@@ -248,11 +247,9 @@ class LocalDraft:
     """The scheduler's draft calls on an in-process `DraftPool`. It shares the target's cores, so
     pre-drafting would not overlap anything (`concurrent` False)."""
 
-    concurrent = False
-
     def __init__(self, pool: DraftPool, device: torch.device) -> None:
         self.pool, self.device = pool, device
-        self.per_token = isinstance(pool.proposer, (DraftModelProposer, HybridProposer))
+        self.capabilities = DraftCapabilities(concurrent=False, per_token=pool.proposer.per_token)
 
     def submit_propose(self, rows):
         results = self.pool.propose(rows)

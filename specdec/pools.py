@@ -21,7 +21,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
-from specdec.proposers import DraftModelProposer, HybridProposer, Proposal
+from specdec.proposers import Proposal
 from specdec.sampling import make_generator
 
 
@@ -119,16 +119,9 @@ class DraftPool:
     def propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """One proposal per row; a model draft runs one batched forward per draft position."""
         states = [self._state(r.request_id, r.sampling.seed) for r in rows]
-        hybrid = isinstance(self.proposer, HybridProposer)
-        if isinstance(self.proposer, (DraftModelProposer, HybridProposer)) and len(rows) > 1:
-            extra = {"max_tokens": [r.max_tokens for r in rows]} if hybrid else {}
-            proposals = self.proposer.propose_batch([s for s, _ in states], [r.context_token_ids for r in rows],
-                                                    [r.num_tokens for r in rows], [r.sampling for r in rows],
-                                                    [g for _, g in states], **extra)
-        else:
-            proposals = [self.proposer.propose(s, r.context_token_ids, r.num_tokens, r.sampling, g,
-                                               **({"max_tokens": r.max_tokens} if hybrid else {}))
-                         for r, (s, g) in zip(rows, states)]
+        proposals = self.proposer.propose_batch([s for s, _ in states], [r.context_token_ids for r in rows],
+                                                [r.num_tokens for r in rows], [r.sampling for r in rows],
+                                                [g for _, g in states], max_tokens=[r.max_tokens for r in rows])
         for p in proposals:
             if p.probs is not None:
                 p.probs = p.probs.cpu()

@@ -23,6 +23,12 @@ One step over the running batch B (each row has its own committed length and K):
    batched rewind of the target caches to each row's committed length minus one (the draft rewinds
    lazily, at its next proposal, to the prefix it shares with the committed context).
 
+`_step` reads as that list: `_propose`, `_submit_verify`, `_pre_draft`, `_verify`,
+`_commit_and_rewind`, `_collect_pre_drafts`, then `_observe` hands the step's numbers once to the cost
+model, each request's stats and K policy, and its metrics observer, and `_emit` streams the chunks.
+The state moving between phases is one `specdec.step.Step`; the backends are typed seams
+(`specdec.backends`), the same in process and on Ray.
+
 Errors: a row's own error (its slot of a batched call holds an exception) fails that request alone;
 an exception from a whole call fails the requests of that step; the caller's `on_fatal` decides
 whether the engine must rebuild (a dead actor) before the next step.
@@ -35,8 +41,9 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specdec.backends import DraftBackend, TargetBackend
 from specdec.config import EngineConfig, SamplingParams
 from specdec.pools import DraftRow, TargetRow
 from specdec.proposers import Proposal
@@ -44,6 +51,7 @@ from specdec.request import GenerationRequest, RequestTimeout
 from specdec.sampling import logits_to_probs
 from specdec.sequence import Sequence as GenSequence, StreamChunk
 from specdec.speculation_length import AutoK, CostModel, make_policy
+from specdec.step import Step
 from specdec import verify
 
 logger = logging.getLogger(__name__)
@@ -51,25 +59,6 @@ logger = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The request was cancelled by its caller (a closed stream, a disconnected client)."""
-
-
-@dataclass
-class StepInfo:
-    """What one verify step did for one request (for metrics; the request's stats get the same numbers)."""
-
-    k: int  # draft tokens asked for (after clamping)
-    num_proposed: int
-    num_accepted: int
-    num_committed: int
-    verify_seconds: float
-    batch_size: int = 1
-    draft_seconds: float | None = None  # None: no drafting call for this row this step
-    pipeline_hit: bool | None = None  # None: nothing was pre-drafted for this row this step
-    draft_failures: int = 0
-    target_rewound_tokens: int = 0
-    target_cache_tokens: int | None = None
-    draft_rewound_tokens: int = 0
-    draft_cache_tokens: int | None = None
 
 
 @dataclass
@@ -99,16 +88,9 @@ class Active:
 
 
 class Scheduler:
-    """`target` and `draft` are a `TargetPool`/`DraftPool` behind the calls below (local or remote):
+    """Drives `target` and `draft` backends (`specdec.backends`: local pools or Ray actors)."""
 
-    target.submit_forward(rows: [TargetRow]) -> wait() -> [ids | logits | exception]
-    target.rewind([(request_id, length)]) -> [cache length]
-    target.release([request_id])
-    draft.submit_propose(rows: [DraftRow]) -> wait() -> [Proposal | exception]
-    draft.release([request_id]); draft.concurrent: True when it runs beside the target (pipelining pays)
-    """
-
-    def __init__(self, config: EngineConfig, target, draft, *, tokenizer, eos_token_ids, vocab_size: int,
+    def __init__(self, config: EngineConfig, target: TargetBackend, draft: DraftBackend | None, *, tokenizer, eos_token_ids, vocab_size: int,
                  max_context: int, costs: CostModel | None = None,
                  on_fatal: Callable[[Exception], None] | None = None) -> None:
         self.config = config
@@ -139,9 +121,9 @@ class Scheduler:
         """Queue a validated request; its chunks (then None, or an exception) go to `sink` from the
         scheduler's thread."""
         policy = make_policy(self.config, self.costs, request.num_speculative_tokens, has_draft=self.has_draft)
-        pipeline = bool(self.draft is not None and getattr(self.draft, "concurrent", False)
-                        and (request.pipeline if request.pipeline is not None else getattr(self.draft, "pipeline",
-                                                                                           False)))
+        can = self.draft.capabilities if self.draft is not None else None
+        pipeline = bool(can is not None and can.concurrent
+                        and (request.pipeline if request.pipeline is not None else can.pipeline))
         eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
@@ -277,157 +259,184 @@ class Scheduler:
         return ks
 
     def _step(self, batch: list[Active]) -> None:
-        t0 = time.perf_counter()
-        ks = self._choose_k(batch)
-        proposals = [Proposal([]) for _ in batch]
-        drafted = [False] * len(batch)
-        failures = [item.seq.stats.draft_failures for item in batch]
+        """One speculative step over the running batch, phase by phase (see the module docstring)."""
+        step = Step(batch, self._choose_k(batch), started=time.perf_counter())
+        self._propose(step)
+        wait_target = self._submit_verify(step)
+        if wait_target is None:
+            return
+        self._pre_draft(step)
+        if not self._verify(step, wait_target):
+            return
+        if not self._commit_and_rewind(step):
+            return
+        self._collect_pre_drafts(step)
+        step.finished = time.perf_counter()
+        self._observe(step)
+        self._emit(step)
+
+    def _propose(self, step: Step) -> None:
+        """Each row's proposal: its pre-drafted block if it holds one, else one batched draft call."""
+        batch, ks = step.batch, step.ks
         draft_rows = []
         for i, (item, k) in enumerate(zip(batch, ks)):
             pending, item.pending = item.pending, None  # a pre-drafted block is for this step only
             if k <= 0:
                 continue
             if pending is not None and len(pending):
-                proposals[i] = _truncate(pending, k)
+                step.proposals[i] = _truncate(pending, k)
             else:
                 draft_rows.append(i)
-        draft_seconds = None
-        if draft_rows:
-            # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per
-            # row, within max_tokens, the context and the step's token budget.
-            spare = max(0, self.max_batch_tokens - sum(k + 1 for k in ks)) // len(draft_rows)
-            rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling,
-                             max(ks[i], min(batch[i].seq.clamp_k(self.config.k_max, self.max_context), ks[i] + spare)))
-                    for i in draft_rows]
-            try:
-                results = self.draft.submit_propose(rows)()
-            except Exception as e:  # noqa: BLE001 - the draft failed: these rows go on target-only
-                results = [e] * len(rows)
-            for i, result in zip(draft_rows, results):
-                if isinstance(result, Exception):
-                    self._draft_failed(batch[i], result)
-                else:
-                    proposals[i], drafted[i] = result, True
-            draft_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        rows = [TargetRow(item.request_id, [item.seq.token_ids[-1]] + p.token_ids, len(p) + 1,
-                          len(item.seq.token_ids) - 1, item.seq.sampling.greedy)
-                for item, p in zip(batch, proposals)]
-        try:
-            wait_target = self.target.submit_forward(rows)
-        except Exception as e:  # noqa: BLE001
-            self._fatal_or_fail(batch, e)
+        if not draft_rows:
             return
-        predraft = None
-        early_rows = [i for i, (item, p) in enumerate(zip(batch, proposals)) if item.pipeline and item.draft_ok
-                      and len(p)]
-        if early_rows:
-            rows_ahead = [DraftRow(batch[i].request_id, batch[i].seq.token_ids + proposals[i].token_ids,
-                                   len(proposals[i]) + 1, batch[i].seq.sampling) for i in early_rows]
-            try:
-                predraft = self.draft.submit_propose(rows_ahead)
-            except Exception as e:  # noqa: BLE001
-                for i in early_rows:
-                    self._draft_failed(batch[i], e)
-                early_rows = []
+        # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per row,
+        # within max_tokens, the context and the step's token budget.
+        spare = max(0, self.max_batch_tokens - sum(k + 1 for k in ks)) // len(draft_rows)
+        rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling,
+                         max(ks[i], min(batch[i].seq.clamp_k(self.config.k_max, self.max_context), ks[i] + spare)))
+                for i in draft_rows]
+        try:
+            results = self.draft.submit_propose(rows)()
+        except Exception as e:  # noqa: BLE001 - the draft failed: these rows go on target-only
+            results = [e] * len(rows)
+        for i, result in zip(draft_rows, results):
+            if isinstance(result, Exception):
+                self._draft_failed(batch[i], result)
+            else:
+                step.proposals[i], step.drafted[i] = result, True
+        step.draft_seconds = time.perf_counter() - step.started
+
+    def _submit_verify(self, step: Step):
+        """Send every row's `[last committed, d1..dK]` to the target in one batched forward."""
+        step.verify_started = time.perf_counter()
+        step.rows = [TargetRow(item.request_id, [item.seq.token_ids[-1]] + p.token_ids, len(p) + 1,
+                               len(item.seq.token_ids) - 1, item.seq.sampling.greedy)
+                     for item, p in zip(step.batch, step.proposals)]
+        try:
+            return self.target.submit_forward(step.rows)
+        except Exception as e:  # noqa: BLE001
+            self._fatal_or_fail(step.batch, e)
+            return None
+
+    def _pre_draft(self, step: Step) -> None:
+        """While the target verifies, draft each pipelined row's next block as if this one is accepted
+        whole (PEARL, arXiv 2408.11850)."""
+        step.early_rows = [i for i, (item, p) in enumerate(zip(step.batch, step.proposals))
+                           if item.pipeline and item.draft_ok and len(p)]
+        if not step.early_rows:
+            return
+        rows = [DraftRow(step.batch[i].request_id, step.batch[i].seq.token_ids + step.proposals[i].token_ids,
+                         len(step.proposals[i]) + 1, step.batch[i].seq.sampling) for i in step.early_rows]
+        try:
+            step.wait_pre_draft = self.draft.submit_propose(rows)
+        except Exception as e:  # noqa: BLE001
+            for i in step.early_rows:
+                self._draft_failed(step.batch[i], e)
+            step.early_rows = []
+
+    def _verify(self, step: Step, wait_target) -> bool:
+        """Accept each row's longest valid prefix: exactly (greedy) or by rejection sampling."""
         try:
             outputs = wait_target()
         except Exception as e:  # noqa: BLE001
-            self._fatal_or_fail(batch, e)
-            return
-        t2 = time.perf_counter()
-        verify_seconds = t2 - t1
-        self.costs.observe_target(sum(len(r.token_ids) for r in rows), verify_seconds)
-        results, keep = [None] * len(batch), []
-        for i, (item, p, out) in enumerate(zip(batch, proposals, outputs)):
+            self._fatal_or_fail(step.batch, e)
+            return False
+        step.verified = time.perf_counter()
+        for i, (item, p, out) in enumerate(zip(step.batch, step.proposals, outputs)):
             if isinstance(out, Exception):
                 self._finish(item, out)
                 continue
             sampling = item.seq.sampling
             if sampling.greedy:
-                results[i] = verify.verify_greedy_ids(p.token_ids, out)
+                step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
             else:
-                results[i] = verify.verify_sampled(p.token_ids, p.probs, logits_to_probs(out, sampling),
-                                            item.seq.verify_generator)
-            keep.append(i)
-        chunks = {}
-        for i in keep:
-            item = batch[i]
-            chunks[i] = item.seq.commit(results[i].token_ids)
-            chunks[i].num_proposed = len(proposals[i])
-        rewind = [i for i in keep if not batch[i].seq.finished]
-        lengths = {}
-        if rewind:
+                step.results[i] = verify.verify_sampled(p.token_ids, p.probs, logits_to_probs(out, sampling),
+                                                        item.seq.verify_generator)
+            step.keep.append(i)
+        return True
+
+    def _commit_and_rewind(self, step: Step) -> bool:
+        """Commit each row's tokens through its stopping rules, then rewind the target caches to each
+        unfinished row's committed length minus one (the next step's input)."""
+        for i in step.keep:
+            step.chunks[i] = step.batch[i].seq.commit(step.results[i].token_ids)
+            step.chunks[i].num_proposed = len(step.proposals[i])
+        rewind = [i for i in step.keep if not step.batch[i].seq.finished]
+        if not rewind:
+            return True
+        try:
+            got = self.target.rewind([(step.batch[i].request_id, len(step.batch[i].seq.token_ids) - 1)
+                                      for i in rewind])
+        except Exception as e:  # noqa: BLE001
+            self._fatal_or_fail([step.batch[i] for i in step.keep], e)
+            return False
+        step.cache_lengths = dict(zip(rewind, got))
+        return True
+
+    def _collect_pre_drafts(self, step: Step) -> None:
+        """Keep a pre-drafted block where the whole proposal was accepted and it guessed the bonus token."""
+        if step.wait_pre_draft is None:
+            return
+        batch, results = step.batch, step.results
+        usable = [i for i in step.early_rows if i in step.chunks and results[i].all_accepted
+                  and not batch[i].seq.finished]
+        early = None
+        if usable:
             try:
-                got = self.target.rewind([(batch[i].request_id, len(batch[i].seq.token_ids) - 1) for i in rewind])
+                early = step.wait_pre_draft()
             except Exception as e:  # noqa: BLE001
-                self._fatal_or_fail([batch[i] for i in keep], e)
-                return
-            lengths = dict(zip(rewind, got))
-        # Pre-drafted blocks: usable where the whole proposal was accepted and the bonus was guessed.
-        hits = {}
-        if predraft is not None:
-            usable = [i for i in early_rows if i in chunks and results[i].all_accepted and not batch[i].seq.finished]
-            early = None
-            if usable:
-                try:
-                    early = predraft()
-                except Exception as e:  # noqa: BLE001
-                    for i in usable:
-                        self._draft_failed(batch[i], e)
-            for j, i in enumerate(early_rows):
-                proposal = early[j] if early is not None else None
-                hit = False
-                if i in usable and isinstance(proposal, Proposal):
-                    if proposal.token_ids and proposal.token_ids[0] == results[i].token_ids[-1]:
-                        batch[i].pending = pre_drafted_block(proposal)
-                        hit = True
-                hits[i] = (hit, proposal if isinstance(proposal, Proposal) else None)
-        t3 = time.perf_counter()
+                for i in usable:
+                    self._draft_failed(batch[i], e)
+        for j, i in enumerate(step.early_rows):
+            proposal = early[j] if early is not None and isinstance(early[j], Proposal) else None
+            hit = bool(i in usable and proposal is not None and proposal.token_ids
+                       and proposal.token_ids[0] == results[i].token_ids[-1])
+            if hit:
+                batch[i].pending = pre_drafted_block(proposal)
+            step.pre_drafts[i] = (hit, proposal)
+
+    def _observe(self, step: Step) -> None:
+        """The step's numbers, once, to everything that learns from them: the cost model (auto-K),
+        each request's stats and K policy, and its observer (metrics)."""
+        batch = step.batch
         self.batch_sizes[len(batch)] += 1
-        self.costs.observe_overhead(t3 - t2)
-        if draft_seconds is not None and any(drafted):
-            num_draft = [proposals[i] for i in range(len(batch)) if drafted[i]]
-            forwards = max(p.num_forwards for p in num_draft)
-            catchup = max(p.num_catchup_tokens for p in num_draft)
-            seconds = [p.seconds for p in num_draft if p.seconds is not None]
-            drafting = seconds[0] if seconds else draft_seconds
-            if not getattr(self.draft, "per_token", True):
+        verify_seconds = step.verified - step.verify_started
+        self.costs.observe_target(sum(len(r.token_ids) for r in step.rows), verify_seconds)
+        self.costs.observe_overhead(step.finished - step.verified)
+        drafted = [step.proposals[i] for i in range(len(batch)) if step.drafted[i]]
+        if drafted:
+            forwards = max(p.num_forwards for p in drafted)
+            catchup = max(p.num_catchup_tokens for p in drafted)
+            seconds = [p.seconds for p in drafted if p.seconds is not None]
+            drafting = seconds[0] if seconds else step.draft_seconds
+            if not self.draft.capabilities.per_token:
                 # A model-free lookup: paid once per step, whatever K.
                 self.costs.observe_draft(1, 0.0)
-                self.costs.observe_draft_call(draft_seconds)
+                self.costs.observe_draft_call(step.draft_seconds)
             elif forwards and catchup <= 2:  # a long catch-up is a small prefill, not a draft step
-                self.costs.observe_draft(forwards, drafting, rows=len(num_draft))
-                self.costs.observe_draft_call(max(0.0, draft_seconds - drafting))
-        for i in keep:
-            item, chunk, p = batch[i], chunks[i], proposals[i]
-            seq = item.seq
-            info = StepInfo(k=ks[i], num_proposed=len(p), num_accepted=results[i].num_accepted,
-                            num_committed=len(chunk.token_ids), verify_seconds=verify_seconds, batch_size=len(batch),
-                            draft_seconds=draft_seconds if drafted[i] else None)
-            if i in lengths:
-                chunk.cache_lengths = lengths[i] if isinstance(lengths[i], list) else [lengths[i]]
-                info.target_cache_tokens = chunk.cache_lengths[0]
-                info.target_rewound_tokens = len(rows[i].token_ids) + rows[i].expected_length - info.target_cache_tokens
-            if drafted[i]:
-                info.draft_rewound_tokens, info.draft_cache_tokens = p.rewound_tokens, p.cache_tokens
-            if i in hits:
-                hit, early_p = hits[i]
-                info.pipeline_hit = hit
-                seq.stats.pipeline_hits += hit
-                seq.stats.pipeline_misses += not hit
-                if early_p is not None and i in hits and hit:
-                    info.draft_rewound_tokens += early_p.rewound_tokens
-                    info.draft_cache_tokens = early_p.cache_tokens
-            info.draft_failures = seq.stats.draft_failures - failures[i]
-            seq.record_step(len(p), results[i].num_accepted, p.num_forwards, draft_seconds if drafted[i] else 0.0,
-                            verify_seconds)
-            item.policy.observe(len(p), results[i].num_accepted)
+                self.costs.observe_draft(forwards, drafting, rows=len(drafted))
+                self.costs.observe_draft_call(max(0.0, step.draft_seconds - drafting))
+        for i in step.keep:
+            item, p, result = batch[i], step.proposals[i], step.results[i]
+            info = step.info(i, verify_seconds, item.seq.stats.draft_failures)
+            item.seq.record_step(len(p), result.num_accepted, p.num_forwards,
+                                 step.draft_seconds if step.drafted[i] else 0.0, verify_seconds)
+            if info.pipeline_hit is not None:
+                item.seq.stats.pipeline_hits += info.pipeline_hit
+                item.seq.stats.pipeline_misses += not info.pipeline_hit
+            item.policy.observe(len(p), result.num_accepted)
             if item.observer:
                 item.observer("step", info)
-            if seq.finished:
-                chunk.output = seq.output()
-                self._finish(item, None, last=chunk)  # caches freed before the caller sees the end
+
+    def _emit(self, step: Step) -> None:
+        """Stream each row's new tokens; a finished row leaves the batch (caches freed first)."""
+        for i in step.keep:
+            item, chunk = step.batch[i], step.chunks[i]
+            if i in step.cache_lengths:
+                chunk.cache_lengths = step.cache_lengths[i]
+            if item.seq.finished:
+                chunk.output = item.seq.output()
+                self._finish(item, None, last=chunk)
             else:
                 item.sink(chunk)
 

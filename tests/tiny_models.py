@@ -135,3 +135,23 @@ def make_model(path: Path, arch: str = "llama", vocab_size: int = 96, seed: int 
         tok.chat_template = chat_template
     tok.save_pretrained(path)
     return path
+
+
+def make_family_pair(root: Path, family: str) -> tuple[Path, Path]:
+    """A tiny target of `family` (no EOS, so generations run their full length) and a draft: its
+    weights plus noise, which agrees with it often but not always."""
+    root = Path(root)
+    target = make_model(root / f"{family}-target", family, vocab_size=96, seed=1, eos_token_id=None)
+    draft = make_model(root / f"{family}-draft", perturb_from=target, noise=0.05, seed=2)
+    return target, draft
+
+
+def hf_greedy_references(model_dir: Path, prompts: list[list[int]], max_tokens) -> list[list[int]]:
+    """HF `generate()` of each prompt alone, greedy: the reference every engine must equal."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p, n in zip(prompts, counts)]

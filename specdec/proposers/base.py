@@ -40,6 +40,10 @@ class Proposer(Protocol):
 
     #: `model` or `ngram`; used in logs and stats.
     name: str
+    #: Each proposed token costs a forward (a draft model); False: a lookup paid once per step.
+    per_token: bool
+    #: Where its proposals' distributions live.
+    device: torch.device
 
     def new_state(self) -> Any:
         """Per-sequence state (a draft KV cache, or None); kept by the caller, passed back each call."""
@@ -53,6 +57,18 @@ class Proposer(Protocol):
         generator: torch.Generator,
     ) -> Proposal:
         """Propose up to `num_tokens` ids continuing `context_token_ids` (the committed sequence)."""
+
+    def propose_batch(
+        self,
+        states: Sequence[Any],
+        contexts: Sequence[Sequence[int]],
+        nums_tokens: Sequence[int],
+        samplings: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        max_tokens: Sequence[int | None] | None = None,
+    ) -> list[Proposal]:
+        """`propose` for many sequences at once (a single one is a batch of one). `max_tokens[i]`: a
+        proposal that costs no draft forward (a prompt-lookup match) may be this long."""
 
     def rewind(self, state: Any, context_token_ids: Sequence[int]) -> None:
         """Drop any state beyond the longest prefix shared with `context_token_ids`."""

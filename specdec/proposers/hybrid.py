@@ -27,12 +27,14 @@ from specdec.proposers.ngram import find_match
 
 class HybridProposer:
     name = "model+ngram"
+    per_token = True
 
     def __init__(self, model: DraftModelProposer, min_match: int = 3, max_n: int = 4) -> None:
         if not 1 <= min_match <= max_n:
             raise ValueError(f"need 1 <= min_match <= ngram max_n, got {min_match}, {max_n}")
         self.model = model
         self.runner = model.runner
+        self.device = model.device
         self.min_match, self.max_n = min_match, max_n
 
     def new_state(self):

@@ -21,9 +21,11 @@ from specdec.sampling import logits_to_probs, sample
 
 class DraftModelProposer:
     name = "model"
+    per_token = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.device = runner.device
 
     def new_state(self) -> KVCache:
         return self.runner.new_cache()
@@ -73,6 +75,7 @@ class DraftModelProposer:
         nums_tokens: Sequence[int],
         samplings: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
+        max_tokens: Sequence[int | None] | None = None,
     ) -> list[Proposal]:
         """`propose` for many sequences at once: one batched draft forward per proposal position (rows
         that need fewer tokens idle in the later ones). Each row draws from its own generator exactly

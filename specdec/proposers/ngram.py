@@ -18,6 +18,8 @@ from specdec.proposers.base import Proposal
 
 class NgramProposer:
     name = "ngram"
+    per_token = False  # a lookup, paid once per step whatever K
+    device = torch.device("cpu")
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -36,6 +38,9 @@ class NgramProposer:
         generator: torch.Generator,
     ) -> Proposal:
         return Proposal(find_continuation(context_token_ids, num_tokens, self.min_n, self.max_n))
+
+    def propose_batch(self, states, contexts, nums_tokens, samplings, generators, max_tokens=None) -> list[Proposal]:
+        return [Proposal(find_continuation(c, n, self.min_n, self.max_n)) for c, n in zip(contexts, nums_tokens)]
 
     def rewind(self, state: None, context_token_ids: Sequence[int]) -> None:
         pass

@@ -258,29 +258,3 @@ def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_v
     finally:
         engine.shutdown()
 
-
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_sliding_window_family_tp2_batched_equals_hf(ray_session, tmp_path, family):
-    """Sliding-window layers on sharded heads: requests crossing the window, batched, through Ray tp 2."""
-    from transformers import AutoModelForCausalLM
-
-    from specdec.request import GenerationRequest
-    from tests.tiny_models import make_model
-
-    target = make_model(tmp_path / "target", family, vocab_size=96, seed=1, eos_token_id=None)
-    draft = make_model(tmp_path / "draft", perturb_from=target, noise=0.05, seed=2)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        references = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
-                      for p in PROMPTS]
-    config = EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=4,
-                          draft_quantization=DRAFT_PRECISION)
-    small = RolePlacement(num_cpus=0.1, num_threads=1)
-    engine = build_ray_engine(RayEngineConfig(engine=config, tp_size=2, draft=small, target=small))
-    try:
-        outs = engine.generate_batch([GenerationRequest(prompt_token_ids=p,
-                                                        sampling=SamplingParams(max_tokens=MAX_TOKENS))
-                                      for p in PROMPTS])
-        assert [o.token_ids for o in outs] == references
-    finally:
-        engine.shutdown()

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import yaml
 
 from tests.deployments.processes import free_port
-from tests.tiny_models import FAMILIES, make_model
+from tests.tiny_models import FAMILIES, hf_greedy_references, make_family_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(5, 24)), [3, 4], [10, 20, 30, 10, 20, 30, 10, 20, 11]]
@@ -54,14 +53,9 @@ DEFAULT = {"llama", "mistral", "gemma2", "gpt_oss", "qwen3_moe"}
 @pytest.mark.parametrize("family", [f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_family_served_exactly_and_batched(serve_port, tmp_path, family):
     from ray import serve
-    from transformers import AutoModelForCausalLM
 
-    target = make_model(tmp_path / "target", family, vocab_size=96, seed=1, eos_token_id=None)
-    draft = make_model(tmp_path / "draft", perturb_from=target, noise=0.05, seed=2)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        references = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
-                      for p, n in zip(PROMPTS, MAX_TOKENS)]
+    target, draft = make_family_pair(tmp_path, family)
+    references = hf_greedy_references(target, PROMPTS, MAX_TOKENS)
     build_app, args = _build_app()
     small = {"num_cpus": 0.1}
     args.update(target=str(target), draft=str(draft), threads=1, target_role=small, draft_role=small,

@@ -19,7 +19,7 @@ from specdec import SamplingParams, SpeculativeEngine
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model
 from specdec.request import GenerationRequest
-from tests.tiny_models import FAMILIES, TINY_WINDOW, make_model
+from tests.tiny_models import FAMILIES, TINY_WINDOW, hf_greedy_references, make_family_pair
 
 PROMPTS = [list(range(5, 24)), [3, 4], [10, 20, 30, 10, 20, 30, 10, 20, 11], [40, 41, 42, 43, 44]]
 MAX_TOKENS = [40, 25, 33, 12]  # requests leave the batch at different steps
@@ -38,13 +38,9 @@ def family(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     name = request.param
-    target = make_model(tmp_path_factory.mktemp(f"{name}-target"), name, vocab_size=96, seed=1, eos_token_id=None)
-    draft = make_model(tmp_path_factory.mktemp(f"{name}-draft"), perturb_from=target, noise=0.05, seed=2)
+    target, draft = make_family_pair(tmp_path_factory.mktemp(name), name)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        references = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
-                      for p, n in zip(PROMPTS, MAX_TOKENS)]
-    return name, target, draft, hf, references
+    return name, target, draft, hf, hf_greedy_references(target, PROMPTS, MAX_TOKENS)
 
 
 def test_greedy_equals_hf_generate_alone_and_batched(family):

@@ -11,6 +11,8 @@ from row K-1 instead of row K, and a pre-drafted block whose q rows are shifted 
 Seeds make every run identical, so the test is deterministic, not flaky.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,7 +34,8 @@ def assert_exercises_both_paths(acceptance_rate: float) -> None:
 def pipelined(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The in-process engine with the scheduler's pre-drafting on (the Ray engine does it with a draft
     worker of its own; here the draft runs in the same thread, which exercises the same code)."""
-    engine.scheduler.draft.concurrent = engine.scheduler.draft.pipeline = True
+    draft = engine.scheduler.draft
+    draft.capabilities = dataclasses.replace(draft.capabilities, concurrent=True, pipeline=True)
     return engine
 
 
