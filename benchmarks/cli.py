@@ -61,6 +61,9 @@ def register(subparsers, generate_parser) -> None:
                    help="also run the bfloat16 draft over the N most frequent tokens, for each N (FR-Spec)")
     p.add_argument("--ngram-first", type=_int_list, default=(), metavar="N,N,...",
                    help="also run the bfloat16 draft behind prompt lookup (matches of N+ tokens), for each N")
+    p.add_argument("--sampling-modes", type=_name_list, default=(), metavar="M,M,...",
+                   help="also run specdec-auto in each sampling mode (invariant, residual) on the same prompts "
+                        "(with --temperature > 0) [default: the default mode only]")
     p.add_argument("--hopeless", type=int, default=0, metavar="N",
                    help="also run a random-init draft of the draft's shape against target-only on the first N "
                         "prompts [default: 0 = skip]")
@@ -92,7 +95,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
                          ngram=not args.no_ngram, threads=args.threads, chat=args.chat,
                          precisions=args.precisions, draft_vocabs=args.draft_vocabs, ngram_first=args.ngram_first,
-                         hopeless=args.hopeless, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
+                         hopeless=args.hopeless, sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
     rows, paths = run(config)
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

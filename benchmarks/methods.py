@@ -58,15 +58,18 @@ class Specdec:
     """A specdec engine (in-process `SpeculativeEngine` or Ray `RayEngine`) at a given K."""
 
     def __init__(self, name: str, engine, k: int | str | None, group: str = "specdec",
-                 pipeline: bool | None = None) -> None:
+                 pipeline: bool | None = None, sampling_mode: str | None = None) -> None:
         self.name, self.group, self.k = name, group, k
         self.engine = engine
         self.pipeline = pipeline
+        self.sampling_mode = sampling_mode  # invariant | residual (None: the engine's default)
 
     def run(self, prompt_token_ids: list[int], sampling: SamplingParams) -> Run:
         kwargs = {"num_speculative_tokens": self.k} if self.k is not None else {}
         if self.pipeline is not None:
             kwargs["pipeline"] = self.pipeline
+        if self.sampling_mode is not None:
+            sampling = sampling.replace(speculative_sampling=self.sampling_mode)
         start = time.perf_counter()
         out = self.engine.generate(prompt_token_ids=prompt_token_ids, sampling=sampling, **kwargs)
         seconds = time.perf_counter() - start

@@ -70,6 +70,7 @@ class BenchConfig:
     draft_vocabs: tuple[int, ...] = ()
     ngram_first: tuple[int, ...] = ()
     hopeless: int = 0  # prompts for the random-init draft vs target-only phase (0: skip)
+    sampling_modes: tuple[str, ...] = ()  # also run specdec-auto in each sampling mode (sampled runs)
     hf_prompt_lookup: bool = True
     chat: bool = False
     out_dir: Path = Path("bench-results")
@@ -84,8 +85,13 @@ class BenchConfig:
             raise ValueError(f"every tensor parallel size must be >= 1, got {self.ray_tps}")
         if self.ray_tps:
             check_ray_placements(self.ray_placements)
-        from specdec.config import DRAFT_PRECISIONS
+        from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES
 
+        unknown = [m for m in self.sampling_modes if m not in SAMPLING_MODES]
+        if unknown:
+            raise ValueError(f"unknown sampling mode(s) {', '.join(unknown)}: use {', '.join(SAMPLING_MODES)}")
+        if self.sampling_modes and self.sampling.greedy:
+            raise ValueError("--sampling-modes compares sampled runs: give --temperature > 0")
         bad = [p for p in self.precisions if p not in DRAFT_PRECISIONS or p == "auto"]
         if bad:
             raise ValueError(f"--precisions: each is one of none, bfloat16, int8, int8-weight; got {','.join(bad)}")
@@ -154,6 +160,8 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     methods.append(Specdec(REFERENCE, plain, None))
     methods += [Specdec(f"specdec-k{k}", spec, k) for k in config.k_sweep]
     methods.append(Specdec("specdec-auto", spec, "auto"))  # the defaults; its draft: meta["draft_quantization"]
+    methods += [Specdec(f"specdec-auto ({mode})", spec, "auto", group="sampling", sampling_mode=mode)
+                for mode in config.sampling_modes]
     methods += _lever_methods(config, engine_config, target, draft)
     if config.ngram:
         ngram = SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"), target)
@@ -188,7 +196,8 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     meta = {
         "target": config.target, "draft": config.draft, "prompts": config.prompts_source,
         "num_prompts": len(config.prompts), "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "top_k": sampling.top_k, "chat": config.chat, "baseline": baseline,
+        "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "speculative_sampling_default": spec.config.speculative_sampling, "chat": config.chat, "baseline": baseline,
         "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
         "draft_quantization": spec.draft_quantization,
         "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration],

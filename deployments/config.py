@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from actors.config import DRAFT_PLACEMENTS, RayEngineConfig, RolePlacement
-from specdec.config import DRAFT_PRECISIONS as DRAFT_QUANTIZATIONS, EngineConfig, env
+from specdec.config import DRAFT_PRECISIONS as DRAFT_QUANTIZATIONS, SAMPLING_MODES, EngineConfig, env
 from specdec.kernels import LINEAR_KERNELS
 from specdec.presets import DEFAULT_TARGET, short_name, suggest_draft
 
@@ -53,6 +53,9 @@ class ServeOptions(BaseModel):
                                                             "[default: all]")
     ngram_first: int = Field(0, ge=0, description="prompt-lookup matches of N+ tokens propose before the draft "
                                                   "model (0 = off)")
+    speculative_sampling: Literal[SAMPLING_MODES] = Field(
+        "invariant", description="how sampled requests that name no mode sample: invariant (a seed gives the "
+                                 "target-only text) or residual (the most acceptance)")
     trust_remote_code: bool = Field(False, description="run Python code shipped with a model (auto_map)")
     allow_pickle_weights: bool = Field(False, description="load .bin/.pt pickle weights when a model has no "
                                                           "safetensors (pickles can run code as they load)")
@@ -104,7 +107,8 @@ class ServeOptions(BaseModel):
                             max_speculative_tokens=self.max_k, device=self.device, dtype=self.dtype,
                             num_threads=self.threads, linear_kernel=self.linear_kernel,
                             draft_quantization=self.draft_quantization, draft_vocab_size=self.draft_vocab,
-                            ngram_first=self.ngram_first, trust_remote_code=self.trust_remote_code,
+                            ngram_first=self.ngram_first, speculative_sampling=self.speculative_sampling,
+                            trust_remote_code=self.trust_remote_code,
                             allow_pickle_weights=self.allow_pickle_weights,
                             # The replica's concurrent requests are decoded as one batch.
                             max_batch_size=self.max_ongoing_requests,

@@ -4,7 +4,8 @@
 
 Field names and defaults follow OpenAI's API (temperature 1, top_p 1; completions max_tokens 16,
 chat until EOS or the end of the context). Extensions, as vLLM has them: `top_k`, `ignore_eos`,
-and `speculative` ({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool}).
+and `speculative` ({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool, "sampling":
+"invariant" | "residual"}).
 
 OpenAI parameters this server does not implement are rejected by name (400) unless they carry
 their "off" value (`logprobs: null`, `presence_penalty: 0`, ...), which some clients always send;
@@ -19,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 
-from specdec.config import SamplingParams
+from specdec.config import SAMPLING_MODES, SamplingParams
 
 # --------------------------------------------------------------------------- unsupported parameters
 
@@ -68,6 +69,9 @@ class SpeculativeOptions(StrictModel):
     num_speculative_tokens: Annotated[Int, Field(ge=0)] | Literal["auto"] | None = Field(
         None, description="K for this request: a number, 'auto', or 0 for the target alone")
     pipeline: bool | None = Field(None, description="pre-draft while verifying (separate draft only)")
+    sampling: Literal[SAMPLING_MODES] | None = Field(
+        None, description="invariant: a seed gives the target-only text whatever the draft, K or load; residual: "
+                          "rejection sampling, the most acceptance [default: the server's]")
 
 
 class SamplingRequest(StrictModel):
@@ -111,7 +115,8 @@ class SamplingRequest(StrictModel):
         return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
                               top_k=max(0, self.top_k), max_tokens=self.effective_max_tokens,
                               seed=None if self.seed is None else self.seed + index, stop=tuple(stops),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos,
+                              speculative_sampling=self.speculative.sampling if self.speculative else None)
 
     @property
     def effective_max_tokens(self) -> int | None:

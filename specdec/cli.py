@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 
-from specdec.config import DRAFT_PRECISIONS
+from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES
 from specdec.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
@@ -75,7 +75,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
                    help="precision of the draft model (lossless: it only proposes): none (as loaded), float32 "
                         "(oneDNN prepacked), bfloat16 (oneDNN; CPUs with native bfloat16), int8 (dynamic), "
-                        "int8-weight (weight-only) [default: auto = the best expected speedup, measured on this CPU "
+                        "int8-weight (weight-only) [default: auto = the best expected speedup among all but int8 (its "
+                        "batch-wide activation scales make proposals depend on batch-mates), measured on this CPU "
                         "at the first load, cached]")
     g.add_argument("--draft-vocab", type=_positive_int, default=None, metavar="N",
                    help="the draft proposes from the N most frequent tokens only (FR-Spec; exact: the target "
@@ -83,6 +84,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-first", type=_non_negative_int, default=0, metavar="N",
                    help="a prompt-lookup match of at least N tokens proposes for free before the draft model "
                         "(0 = off) [default: 0]")
+    g.add_argument("--speculative-sampling", default="invariant", choices=list(SAMPLING_MODES),
+                   help="how sampled requests sample: invariant (a seed gives the target-only text, whatever the "
+                        "draft, K or load) or residual (rejection sampling: the most acceptance; the text also "
+                        "depends on the draft and K) [default: invariant]")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run Python code shipped with a model (auto_map in its config); only for code you have read")
     g.add_argument("--allow-pickle-weights", action="store_true",
@@ -171,6 +176,7 @@ def engine_config_from_args(args: argparse.Namespace):
         draft_quantization=args.draft_quantization,
         draft_vocab_size=args.draft_vocab,
         ngram_first=args.ngram_first,
+        speculative_sampling=args.speculative_sampling,
         trust_remote_code=args.trust_remote_code,
         allow_pickle_weights=args.allow_pickle_weights,
     )

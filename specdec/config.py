@@ -24,6 +24,10 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+#: How a sampled request's tokens are drawn (see `sampling.py`).
+SAMPLING_MODES = ("invariant", "residual")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `temperature=0` (or below `GREEDY_BELOW_TEMPERATURE`) is greedy
@@ -36,6 +40,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # How speculation samples (`sampling.py`): "invariant" (the text depends only on the seed) or
+    # "residual" (the most acceptance); None: the engine's `speculative_sampling`.
+    speculative_sampling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +65,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.speculative_sampling is not None and self.speculative_sampling not in SAMPLING_MODES:
+            raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
+                             f"got {self.speculative_sampling!r}")
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +118,8 @@ class EngineConfig:
     # one prefill chunk) may feed; requests beyond the batch wait in a queue.
     max_batch_size: int = 8
     max_batch_tokens: int = 512
+    # How sampled requests that name no mode sample (SAMPLING_MODES; README "Guarantees").
+    speculative_sampling: str = "invariant"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +164,9 @@ class EngineConfig:
         if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or not isinstance(
                 self.draft_vocab_size, int) or self.draft_vocab_size < 1):
             raise ValueError(f"draft vocabulary size must be an integer >= 1 (or None: all), got {self.draft_vocab_size!r}")
+        if self.speculative_sampling not in SAMPLING_MODES:
+            raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
+                             f"got {self.speculative_sampling!r}")
         if isinstance(self.ngram_first, bool) or not isinstance(self.ngram_first, int) or self.ngram_first < 0:
             raise ValueError(f"ngram_first must be an integer >= 0 (0: off), got {self.ngram_first!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):

@@ -57,8 +57,10 @@ from specdec.speculation_length import expected_tokens
 
 logger = logging.getLogger(__name__)
 
-#: The candidates `auto` measures, in order of preference on a tie.
-CANDIDATES = ("none", "float32", "bfloat16", "int8-weight", "int8")
+#: The candidates `auto` measures, in order of preference on a tie. Dynamic `int8` is never among
+#: them: it quantizes each linear's input with one scale over the whole batch, so a row's proposals
+#: (and a `residual` request's seeded text) would depend on its batch-mates. Ask for it by name.
+CANDIDATES = ("none", "float32", "bfloat16", "int8-weight")
 
 #: The verify pass of K+1 tokens costs about 1 + VERIFY_SLOPE * K single-token forwards with the
 #: prepacked target kernels (kernels.py: 5 tokens ~1.06x, 9 ~1.3x).

@@ -2,7 +2,8 @@
 
 `TargetPool`: the target's KV caches; `forward(rows)` runs one batched forward over every row
 (`ModelRunner.forward_batch`) and returns per row the argmax ids (greedy) or the logits. `DraftPool`:
-a proposer with one state (draft KV cache) and one seeded random stream per request; `propose(rows)`
+a proposer with one state (draft KV cache) per request (its random numbers are counter-based,
+`sampling.py`, so they need no state); `propose(rows)`
 drafts every row together (`DraftModelProposer.propose_batch`: one draft forward per position).
 
 The in-process engine calls them directly; a Ray target shard and the draft worker actor wrap one
@@ -22,7 +23,6 @@ from specdec.config import SamplingParams
 from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
 from specdec.proposers import Proposal
-from specdec.sampling import make_generator
 
 
 class RowError(RuntimeError):
@@ -105,23 +105,23 @@ class DraftPool:
     def __init__(self, proposer, device: torch.device | str = "cpu") -> None:
         self.proposer = proposer
         self.device = torch.device(device)
-        self.states: dict[str, tuple[object, torch.Generator]] = {}
+        self.states: dict[str, object] = {}
 
     @property
     def name(self) -> str:
         return self.proposer.name
 
-    def _state(self, request_id: str, seed: int | None):
+    def _state(self, request_id: str):
         if request_id not in self.states:
-            self.states[request_id] = (self.proposer.new_state(), make_generator(seed, "draft", self.device))
+            self.states[request_id] = self.proposer.new_state()
         return self.states[request_id]
 
     def propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """One proposal per row; a model draft runs one batched forward per draft position."""
-        states = [self._state(r.request_id, r.sampling.seed) for r in rows]
-        proposals = self.proposer.propose_batch([s for s, _ in states], [r.context_token_ids for r in rows],
+        states = [self._state(r.request_id) for r in rows]
+        proposals = self.proposer.propose_batch(states, [r.context_token_ids for r in rows],
                                                 [r.num_tokens for r in rows], [r.sampling for r in rows],
-                                                [g for _, g in states], max_tokens=[r.max_tokens for r in rows])
+                                                max_tokens=[r.max_tokens for r in rows])
         for p in proposals:
             if p.probs is not None:
                 p.probs = p.probs.cpu()
@@ -131,7 +131,7 @@ class DraftPool:
         for request_id in request_ids:
             entry = self.states.pop(request_id, None)
             if entry is not None:
-                self.proposer.release(entry[0])
+                self.proposer.release(entry)
 
     def __len__(self) -> int:
         return len(self.states)

@@ -4,19 +4,118 @@ Warping follows Hugging Face `generate()` exactly (it uses the same warpers, in 
 temperature, then top-k, then top-p), so "the target distribution" here is the one HF samples from.
 Speculative sampling applies the same warping to the target's p and the draft's q.
 
-Randomness always comes in as a `torch.Generator`; a request's seed is split into independent
-streams (draft sampling, verification) with `derive_seed`, so in-process and distributed runs that
-use the same seed draw the same numbers.
+**Counter-based randomness.** Every random number a request uses is a pure function of
+(its seed, the absolute position of the token it decides, the purpose), never of how many numbers
+were drawn before: nothing depends on K, batch-mates, the step's token budget, pipelining, placement
+(in-process or Ray, which shard) or device. A 64-bit key is hashed from the triple (`counter_key`,
+BLAKE2b); a scalar uniform comes from the key's bits; a vocabulary-wide noise vector comes from
+SplitMix64 (the generator of Java's `SplittableRandom`, Steele et al. 2014) run from the key over
+the token ids, in exact int64 arithmetic, so every device computes the same bits. Unseeded requests
+get a random seed when they are admitted (`resolve`), and use it the same way.
+
+**Two ways to sample** (`SamplingParams.speculative_sampling`):
+- `invariant`: the token at position t is argmax over the vocabulary of (warped logits + G_t), with
+  Gumbel noise G_t from (seed, t) (Gumbel-max: exactly a draw from the warped p). The draft
+  proposes argmax(warped q + G_t) with the same noise, and the target accepts a draft token while
+  it equals its own choice (Daliri, Musco, Suresh, arXiv 2408.07978). Target-only decoding uses the
+  same rule, so a seeded request's text does not depend on the draft, K, or speculation at all.
+- `residual`: speculative sampling (Leviathan et al., Chen et al.): the draft samples from q, the
+  target accepts with probability min(1, p/q) and resamples from normalize(max(0, p - q)). Most
+  acceptance; its seeded text depends on the draft and on the K each step used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-
 import torch
 
 from specdec.config import SamplingParams
+
+#: What a random number decides; each (seed, purpose, position) is used at most once.
+PURPOSES = ("draft", "accept", "resample", "noise")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# SplitMix64's constants, as int64 (torch has no uint64 arithmetic).
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def resolve(sampling: SamplingParams, default_mode: str) -> SamplingParams:
+    """A sampled request's parameters as the engine runs them: a seed (fresh entropy when it has
+    none) and its sampling mode (the engine's default when it named none). Greedy is unchanged."""
+    if sampling.greedy:
+        return sampling
+    return sampling.replace(seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
+                            speculative_sampling=sampling.speculative_sampling or default_mode)
+
+
+def counter_key(seed: int, purpose: str, position: int) -> int:
+    """The 64-bit key of one random decision: a hash of (seed, purpose, absolute position)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown random purpose {purpose!r}")
+    digest = hashlib.blake2b(f"{seed}:{purpose}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def uniform(seed: int, purpose: str, position: int) -> float:
+    """A uniform number in (0, 1) for one decision (53 bits)."""
+    return ((counter_key(seed, purpose, position) >> 11) + 0.5) * 2.0**-53
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def gumbel_noise(seed: int, position: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise for `token_ids` (`[n]` int64, any device) at one position: `[n]` float64.
+
+    Token v's noise is SplitMix64's (v+1)-th output from the position's key, so any subset of the
+    vocabulary (a top-k support, a draft's reduced vocabulary) gets the same numbers the full one would."""
+    key = torch.tensor(_signed(counter_key(seed, "noise", position)), dtype=torch.int64, device=token_ids.device)
+    z = key + (token_ids + 1) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    u = (_shift_right(z, 11).double() + 0.5) * 2.0**-53  # (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+#: Below this share of finite scores, Gumbel noise is drawn for the support only (top-k, top-p).
+_SPARSE_SUPPORT = 0.125
+
+
+def gumbel_argmax(scores: torch.Tensor, seed: int, position: int) -> int:
+    """argmax(scores + G) for one position's warped scores `[vocab]` (-inf outside the support):
+    a draw from softmax(scores)."""
+    support = torch.isfinite(scores)
+    count = int(support.sum())
+    if count == 1:
+        index = int(support.nonzero()[0, 0])
+    elif count < _SPARSE_SUPPORT * scores.numel():
+        ids = support.nonzero().squeeze(-1)
+        index = int(ids[(scores[ids].double() + gumbel_noise(seed, position, ids)).argmax()])
+    else:
+        ids = torch.arange(scores.numel(), device=scores.device)
+        index = int((scores.double() + gumbel_noise(seed, position, ids)).argmax())
+    return index
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from one position's probabilities `[vocab]` with a uniform `u` in (0, 1)."""
+    cdf = torch.cumsum(probs.double(), 0)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64,
+                                                     device=cdf.device), right=True)[0])
+    return min(index, probs.numel() - 1)
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -40,19 +139,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(warp_logits(logits, params), dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of `[num_rows, vocab]` probabilities -> `[num_rows]` token ids."""
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+def choose(logits: torch.Tensor, sampling: SamplingParams, position: int,
+           purpose: str = "draft") -> tuple[int, torch.Tensor | None]:
+    """One token from one position's logits `[1, vocab]` the way the request samples: argmax
+    (greedy), Gumbel-max with the position's noise (invariant), or an inverse-CDF draw with the
+    (purpose, position) uniform (residual). Returns the column and, for residual, the `[vocab]`
+    distribution it was drawn from (verification needs q)."""
+    if sampling.greedy:
+        return int(logits[0].argmax()), None
+    if sampling.speculative_sampling == "invariant":
+        return gumbel_argmax(warp_logits(logits, sampling)[0], sampling.seed, position), None
+    probs = logits_to_probs(logits, sampling)[0]
+    return draw(probs, uniform(sampling.seed, purpose, position)), probs
 
-
-def derive_seed(seed: int, stream: str) -> int:
-    """An independent 63-bit seed for one named random stream of a request."""
-    digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def make_generator(seed: int | None, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one stream; unseeded requests get fresh entropy."""
-    g = torch.Generator(device=device)
-    g.manual_seed(derive_seed(seed, stream) if seed is not None else secrets.randbits(63))
-    return g

@@ -48,7 +48,7 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.pools import DraftRow, TargetRow
 from specdec.proposers import Proposal
 from specdec.request import GenerationRequest, RequestTimeout
-from specdec.sampling import logits_to_probs
+from specdec.sampling import resolve
 from specdec.sequence import Sequence as GenSequence, StreamChunk
 from specdec.speculation_length import AutoK, CostModel, make_policy
 from specdec.step import Step
@@ -125,6 +125,8 @@ class Scheduler:
         pipeline = bool(can is not None and can.concurrent
                         and (request.pipeline if request.pipeline is not None else can.pipeline))
         eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
+        # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
+        sampling = resolve(sampling, self.config.speculative_sampling)
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
         item = Active(request, seq, policy, sink, pipeline, deadline, observer=observer)
@@ -290,10 +292,13 @@ class Scheduler:
         if not draft_rows:
             return
         # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per row,
-        # within max_tokens, the context and the step's token budget.
-        spare = max(0, self.max_batch_tokens - sum(k + 1 for k in ks)) // len(draft_rows)
-        rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling,
-                         max(ks[i], min(batch[i].seq.clamp_k(self.config.k_max, self.max_context), ks[i] + spare)))
+        # within max_tokens, the context and the step's token budget. Where the budget holds every
+        # row's k_max, a row's room does not depend on its batch-mates (nor, then, does its text).
+        room = max(0, self.max_batch_tokens - sum(k + 1 for k in ks))
+        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.k_max, self.max_context)) for i in draft_rows}
+        if sum(caps[i] - ks[i] for i in draft_rows) > room:
+            caps = {i: min(caps[i], ks[i] + room // len(draft_rows)) for i in draft_rows}
+        rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling, caps[i])
                 for i in draft_rows]
         try:
             results = self.draft.submit_propose(rows)()
@@ -347,11 +352,11 @@ class Scheduler:
                 self._finish(item, out)
                 continue
             sampling = item.seq.sampling
-            if sampling.greedy:
+            if sampling.greedy:  # a remote target returns the argmax ids
                 step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
             else:
-                step.results[i] = verify.verify_sampled(p.token_ids, p.probs, logits_to_probs(out, sampling),
-                                                        item.seq.verify_generator)
+                step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, sampling,
+                                                         len(item.seq.token_ids))
             step.keep.append(i)
         return True
 

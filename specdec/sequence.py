@@ -11,11 +11,8 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.config import SamplingParams
 from specdec.detokenizer import IncrementalDetokenizer
-from specdec.sampling import make_generator
 from specdec.stats import SpeculativeStats
 
 
@@ -79,16 +76,12 @@ class Sequence:
         sampling: SamplingParams,
         tokenizer,
         eos_token_ids: frozenset[int],
-        target_device: torch.device | str = "cpu",
-        draft_device: torch.device | str = "cpu",
     ) -> None:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
         self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids, sampling.stop)
-        self.verify_generator = make_generator(sampling.seed, "verify", target_device)
-        self.draft_generator = make_generator(sampling.seed, "draft", draft_device)
         self.stats = SpeculativeStats()
         self.finish_reason: str | None = None
         self.k_history: list[int] = []

@@ -13,7 +13,9 @@ Sampling: speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et
 arXiv 2302.01318). Draft token x, sampled from q, is accepted with probability min(1, p(x)/q(x)); at
 the first rejection a token is drawn from normalize(max(0, p - q)); the bonus token is drawn from p
 at position K+1. Deterministic proposers (n-gram lookup) have a one-hot q. The output follows the
-target's distribution p exactly, whatever the draft.
+target's distribution p exactly, whatever the draft. Two ways to sample (`sampling.py`): `residual`
+is the rule above; `invariant` couples draft and target through shared Gumbel noise, so the text
+is the target-only text for the seed (`verify_invariant`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample
+from specdec.config import SamplingParams
+from specdec.sampling import draw, gumbel_argmax, logits_to_probs, uniform, warp_logits
 
 
 @dataclass(frozen=True)
@@ -87,31 +90,34 @@ def verify_sampled(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    seed: int,
+    position: int,
 ) -> VerifyResult:
-    """Speculative sampling.
+    """Speculative sampling (the `residual` mode).
 
     draft_token_ids: K proposed ids.
     draft_probs: `[K, vocab]` the warped distributions the ids were drawn from, or None for a
         deterministic proposer (q one-hot at each proposed id).
     target_probs: `[K+1, vocab]` the warped target distributions at the K+1 positions.
-    generator: the request's verification stream. Draws exactly K uniforms plus one token per step,
-        so a seeded request is reproducible.
+    seed, position: the request's seed and the absolute position of the first proposed token. The
+        uniform that accepts the token at position t is (seed, "accept", t); the token drawn at the
+        first rejection, or the bonus token, uses (seed, "resample", t).
     """
     k = len(draft_token_ids)
     device = target_probs.device
     if k == 0:
-        token = int(sample(target_probs[:1], generator)[0])
-        return VerifyResult(0, 0, [token])
+        return VerifyResult(0, 0, [draw(target_probs[0], uniform(seed, "resample", position))])
     ids = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)  # [K]
     positions = torch.arange(k, device=device)
     p_x = target_probs[positions, ids]  # [K]
     q_x = draft_probs[positions, ids] if draft_probs is not None else torch.ones_like(p_x)  # [K]
-    uniforms = torch.rand(k, generator=generator, device=device)  # [K]
+    uniforms = torch.tensor([uniform(seed, "accept", position + j) for j in range(k)], dtype=p_x.dtype,
+                            device=device)  # [K]
     accepted = (uniforms < accept_probability(p_x, q_x)).tolist()
     num_accepted = accepted.index(False) if False in accepted else k
+    u = uniform(seed, "resample", position + num_accepted)
     if num_accepted == k:
-        bonus = int(sample(bonus_distribution(target_probs, k), generator)[0])
+        bonus = draw(bonus_distribution(target_probs, k)[0], u)
         return VerifyResult(k, k, list(draft_token_ids) + [bonus])
     p = target_probs[num_accepted]
     if draft_probs is not None:
@@ -119,20 +125,46 @@ def verify_sampled(
     else:
         q = torch.zeros_like(p)
         q[int(draft_token_ids[num_accepted])] = 1.0
-    recovered = int(sample(recovered_distribution(p, q).unsqueeze(0), generator)[0])
+    recovered = draw(recovered_distribution(p, q), u)
     return VerifyResult(k, num_accepted, list(draft_token_ids[:num_accepted]) + [recovered])
+
+
+def verify_invariant(
+    draft_token_ids: Sequence[int],
+    target_logits: torch.Tensor,
+    sampling: SamplingParams,
+    position: int,
+) -> VerifyResult:
+    """Drafter-invariant verification (the `invariant` mode; Daliri, Musco, Suresh, arXiv 2408.07978).
+
+    The target's token at position t is argmax(warped logits_t + G_t), with the Gumbel noise of
+    (seed, t): a draw from the warped p. A proposed token is accepted while it equals that choice;
+    the first mismatch emits the target's own choice. So the output is the target-only output for
+    the same seed, whatever was proposed. target_logits: `[K+1, vocab]`; position: the absolute
+    position of the first proposed token. Noise is drawn only up to the first mismatch."""
+    k = len(draft_token_ids)
+    scores = warp_logits(target_logits, sampling)  # [K+1, vocab]
+    out: list[int] = []
+    for j in range(k + 1):
+        out.append(gumbel_argmax(scores[j], sampling.seed, position + j))
+        if j == k or out[-1] != int(draft_token_ids[j]):
+            break
+    return VerifyResult(k, len(out) - 1, out)
 
 
 def verify_proposal(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
-    sampling,
-    generator: torch.Generator,
+    sampling: SamplingParams,
+    position: int,
 ) -> VerifyResult:
-    """Verify K proposed tokens against the target's `[K+1, vocab]` logits with the request's sampling."""
+    """Verify K proposed tokens against the target's `[K+1, vocab]` logits the way the request
+    samples (greedy, invariant or residual); `sampling` must be `sampling.resolve`d (a seed and a mode).
+    position: the absolute position of the first proposed token (the committed length)."""
     if sampling.greedy:
         return verify_greedy(draft_token_ids, target_logits)
-    from specdec.sampling import logits_to_probs
-
-    return verify_sampled(draft_token_ids, draft_probs, logits_to_probs(target_logits, sampling), generator)
+    if sampling.speculative_sampling == "invariant":
+        return verify_invariant(draft_token_ids, target_logits, sampling, position)
+    return verify_sampled(draft_token_ids, draft_probs, logits_to_probs(target_logits, sampling), sampling.seed,
+                          position)

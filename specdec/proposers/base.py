@@ -19,8 +19,9 @@ from specdec.config import SamplingParams
 @dataclass
 class Proposal:
     token_ids: list[int]  # [num_proposed]
-    # [num_proposed, vocab] the warped distributions the ids were sampled from; None when the
-    # proposer is deterministic (n-gram lookup, or any greedy draft): q is then one-hot.
+    # [num_proposed, vocab] the warped distributions the ids were sampled from (residual sampling);
+    # None when verification needs no q: greedy and invariant sampling compare tokens, and a
+    # deterministic proposer (n-gram lookup) has a one-hot q.
     probs: torch.Tensor | None = None
     num_forwards: int = 0  # draft model forward passes it took
     num_catchup_tokens: int = 0  # committed tokens the draft had not seen yet, fed in the first forward
@@ -54,9 +55,10 @@ class Proposer(Protocol):
         context_token_ids: Sequence[int],
         num_tokens: int,
         sampling: SamplingParams,
-        generator: torch.Generator,
     ) -> Proposal:
-        """Propose up to `num_tokens` ids continuing `context_token_ids` (the committed sequence)."""
+        """Propose up to `num_tokens` ids continuing `context_token_ids` (the committed sequence).
+        `sampling` is resolved (a seed and a mode): token j is decided by `sampling.choose` at
+        position len(context) + j, so a proposal does not depend on what was drawn before."""
 
     def propose_batch(
         self,
@@ -64,7 +66,6 @@ class Proposer(Protocol):
         contexts: Sequence[Sequence[int]],
         nums_tokens: Sequence[int],
         samplings: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator],
         max_tokens: Sequence[int | None] | None = None,
     ) -> list[Proposal]:
         """`propose` for many sequences at once (a single one is a batch of one). `max_tokens[i]`: a

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from specdec.config import SamplingParams
 from specdec.proposers.base import Proposal
 from specdec.proposers.model import DraftModelProposer
@@ -46,21 +44,20 @@ class HybridProposer:
         return tokens if n >= self.min_match else []
 
     def propose(self, state, context_token_ids: Sequence[int], num_tokens: int, sampling: SamplingParams,
-                generator: torch.Generator, max_tokens: int | None = None) -> Proposal:
+                max_tokens: int | None = None) -> Proposal:
         tokens = self.lookup(context_token_ids, max(num_tokens, max_tokens or 0))
         if tokens:
             return Proposal(tokens, extra={"source": "ngram"})
-        return self.model.propose(state, context_token_ids, num_tokens, sampling, generator)
+        return self.model.propose(state, context_token_ids, num_tokens, sampling)
 
-    def propose_batch(self, states, contexts, nums_tokens, samplings, generators, max_tokens=None) -> list[Proposal]:
+    def propose_batch(self, states, contexts, nums_tokens, samplings, max_tokens=None) -> list[Proposal]:
         max_tokens = max_tokens or [None] * len(states)
         found = [self.lookup(c, max(n, m or 0)) if n > 0 else [] for c, n, m in zip(contexts, nums_tokens, max_tokens)]
         rest = [i for i, t in enumerate(found) if not t]
         proposals: list[Proposal | None] = [Proposal(t, extra={"source": "ngram"}) if t else None for t in found]
         if rest:
             drafted = self.model.propose_batch([states[i] for i in rest], [contexts[i] for i in rest],
-                                               [nums_tokens[i] for i in rest], [samplings[i] for i in rest],
-                                               [generators[i] for i in rest])
+                                               [nums_tokens[i] for i in rest], [samplings[i] for i in rest])
             for i, p in zip(rest, drafted):
                 proposals[i] = p
         return proposals

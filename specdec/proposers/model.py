@@ -16,7 +16,7 @@ from specdec.config import SamplingParams
 from specdec.kv_cache import KVCache
 from specdec.model_runner import ModelRunner
 from specdec.proposers.base import Proposal
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import choose
 
 
 class DraftModelProposer:
@@ -37,7 +37,6 @@ class DraftModelProposer:
         context_token_ids: Sequence[int],
         num_tokens: int,
         sampling: SamplingParams,
-        generator: torch.Generator,
     ) -> Proposal:
         cache = state
         held = len(cache)
@@ -53,14 +52,11 @@ class DraftModelProposer:
         num_catchup = len(new_token_ids) - 1
         token_ids: list[int] = []
         rows: list[torch.Tensor] = []
-        for _ in range(num_tokens):
+        for j in range(num_tokens):
             logits = self.runner.forward(cache, new_token_ids, num_logits=1)  # [1, vocab]
-            if sampling.greedy:
-                token = int(logits[0].argmax())
-            else:
-                probs = logits_to_probs(logits, sampling)  # [1, vocab]
-                token = int(sample(probs, generator)[0])
-                rows.append(probs[0])
+            token, probs = choose(logits, sampling, len(context_token_ids) + j)
+            if probs is not None:
+                rows.append(probs)
             token_ids.append(token)
             new_token_ids = [token]
         probs = torch.stack(rows) if rows else None  # [num_tokens, vocab]
@@ -74,12 +70,11 @@ class DraftModelProposer:
         contexts: Sequence[Sequence[int]],
         nums_tokens: Sequence[int],
         samplings: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator],
         max_tokens: Sequence[int | None] | None = None,
     ) -> list[Proposal]:
         """`propose` for many sequences at once: one batched draft forward per proposal position (rows
-        that need fewer tokens idle in the later ones). Each row draws from its own generator exactly
-        what it would draw alone."""
+        that need fewer tokens idle in the later ones). A row's random numbers depend on its seed and
+        positions only, so it draws exactly what it would draw alone."""
         rows = []
         for cache, context, num_tokens in zip(states, contexts, nums_tokens):
             held = len(cache)
@@ -92,7 +87,7 @@ class DraftModelProposer:
         proposals = [Proposal([], rewound_tokens=r, cache_tokens=len(c)) for (r, _, _), c in zip(rows, states)]
         if len(active) <= 1 or not self.runner.can_batch([states[i] for i in active]):
             for i in active:
-                p = self.propose(states[i], contexts[i], rows[i][1], samplings[i], generators[i])
+                p = self.propose(states[i], contexts[i], rows[i][1], samplings[i])
                 p.rewound_tokens += rows[i][0]
                 proposals[i] = p
             return proposals
@@ -109,13 +104,9 @@ class DraftModelProposer:
                 if logits[j] is None:
                     feed.append([])
                     continue
-                sampling = samplings[i]
-                if sampling.greedy:
-                    token = int(logits[j][0].argmax())
-                else:
-                    p = logits_to_probs(logits[j], sampling)  # [1, vocab]
-                    token = int(sample(p, generators[i])[0])
-                    probs[j].append(p[0])
+                token, p = choose(logits[j], samplings[i], len(contexts[i]) + len(tokens[j]))
+                if p is not None:
+                    probs[j].append(p)
                 tokens[j].append(token)
                 # The last proposed token is not fed: the cache holds the context + the first K-1.
                 feed.append([token] if len(tokens[j]) < rows[i][1] else [])

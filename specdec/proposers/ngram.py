@@ -35,11 +35,10 @@ class NgramProposer:
         context_token_ids: Sequence[int],
         num_tokens: int,
         sampling: SamplingParams,
-        generator: torch.Generator,
     ) -> Proposal:
         return Proposal(find_continuation(context_token_ids, num_tokens, self.min_n, self.max_n))
 
-    def propose_batch(self, states, contexts, nums_tokens, samplings, generators, max_tokens=None) -> list[Proposal]:
+    def propose_batch(self, states, contexts, nums_tokens, samplings, max_tokens=None) -> list[Proposal]:
         return [Proposal(find_continuation(c, n, self.min_n, self.max_n)) for c, n in zip(contexts, nums_tokens)]
 
     def rewind(self, state: None, context_token_ids: Sequence[int]) -> None:

@@ -98,6 +98,32 @@ def test_seeded_sampling_is_bit_identical_to_in_process(ray_engines, in_process,
         assert remote.speculative.num_accepted_tokens == local.speculative.num_accepted_tokens
 
 
+@pytest.fixture(scope="module")
+def target_only(tiny_llama):
+    return SpeculativeEngine.from_pretrained(str(tiny_llama), draft="none")
+
+
+@pytest.mark.parametrize("tp, pipeline", [(1, True), (2, False), (2, True)], ids=["tp1-pipeline", "tp2", "tp2-pipeline"])
+def test_a_seed_gives_the_target_only_text_on_ray(ray_engines, in_process, target_only, tp, pipeline):
+    """Invariant sampling: shards, a separate pipelined draft, batch-mates change nothing; residual
+    sampling: the same text as in-process (same K, same draft)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = ray_engines(tp, pipeline)
+    cases = [(seed, prompt, SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=30, ignore_eos=True, seed=seed))
+             for seed, prompt in enumerate(PROMPTS) for t, k, p in ((1.0, 0, 1.0), (0.7, 20, 0.8))]
+
+    def run(eng, params):
+        return [eng.generate(prompt_token_ids=prompt, sampling=params(p)).token_ids for _, prompt, p in cases]
+
+    want = run(target_only, lambda p: p)
+    assert run(engine, lambda p: p) == want
+    with ThreadPoolExecutor(len(cases)) as pool:  # all at once: batched on the shards
+        assert list(pool.map(lambda c: engine.generate(prompt_token_ids=c[1], sampling=c[2]).token_ids, cases)) == want
+    residual = lambda p: p.replace(speculative_sampling="residual")  # noqa: E731
+    assert run(engine, residual) == run(in_process, residual)
+
+
 def test_text_prompts_stop_strings_and_streaming(ray_engines, in_process):
     engine = ray_engines(2, True)
     params = SamplingParams(max_tokens=MAX_TOKENS)

@@ -195,6 +195,32 @@ def test_per_request_speculation_overrides(service, local):
     assert plain.model_extra["speculative"]["target_forwards"] == 30
 
 
+def test_a_seed_gives_the_target_only_text_with_or_without_speculation(service):
+    """Invariant sampling (the default) over HTTP: the text of a seed is the target-only text, for any
+    K, pipelining, streaming or not, alone or in a batch; residual is reproducible too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def text(stream=False, seed=11, **speculative):
+        kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.8, top_p=0.9, seed=seed,
+                      extra_body={"top_k": 20, "speculative": speculative})
+        if not stream:
+            return service.client.completions.create(**kwargs).choices[0].text
+        return "".join(c.choices[0].text for c in service.client.completions.create(stream=True, **kwargs)
+                       if c.choices)
+
+    target_only = text(num_speculative_tokens=0)
+    variants = [{}, {"num_speculative_tokens": 2}, {"num_speculative_tokens": "auto"}, {"pipeline": False},
+                {"sampling": "invariant", "num_speculative_tokens": 6}]
+    for speculative in variants:
+        assert text(**speculative) == target_only, speculative
+        assert text(stream=True, **speculative) == target_only, speculative
+    with ThreadPoolExecutor(len(variants)) as pool:  # together: one batch, each with its own K
+        assert list(pool.map(lambda s: text(**s), variants)) == [target_only] * len(variants)
+    assert text(seed=12, num_speculative_tokens=0) == text(seed=12) != target_only
+    residual = text(sampling="residual")
+    assert residual == text(stream=True, sampling="residual")
+
+
 # ------------------------------------------------------------------------------------- chat
 
 def test_chat_completion_applies_the_chat_template(service, local):
@@ -315,6 +341,7 @@ BAD = [
     ({"prompt": PROMPT, "stop": ""}, "stop"),
     ({"prompt": PROMPT, "speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
     ({"prompt": PROMPT, "speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
+    ({"prompt": PROMPT, "speculative": {"sampling": "greedy"}}, "speculative.sampling"),
     ({"prompt": PROMPT, "stream": True, "max_tokens": 600}, "max_tokens"),
     ({}, "prompt"),
 ]

@@ -573,7 +573,7 @@ def test_killing_the_draft_worker_mid_load_loses_nothing_and_speculation_resumes
     import ray
 
     failures_before = _settled(_draft_failures)
-    load = InFlight(service, count=4, max_tokens=300)
+    load = InFlight(service, count=4, max_tokens=160)
     draft = service.handles()["draft"]
     ray.kill(draft, no_restart=False)  # Ray restarts it (max_restarts); in-flight steps lose their draft
     results = load.join(6 * TIMEOUT_S)

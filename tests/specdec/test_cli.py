@@ -112,3 +112,18 @@ def test_prompt_from_stdin(tiny_llama, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("w1 w2 w3"))
     assert main(["generate", "--target", str(tiny_llama), "--max-tokens", "4", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["usage"]["prompt_tokens"] == 3
+
+
+def test_seeded_sampling_from_the_command_line_is_the_target_only_text(tiny_llama, tiny_llama_draft, capsys):
+    base = ["generate", "--target", str(tiny_llama), "--max-tokens", "24", "--json", "--temperature", "0.8",
+            "--top-k", "20", "--seed", "5", "--ignore-eos", "w5 w6 w7"]
+    assert main([*base, "--draft", "none"]) == 0
+    target_only = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*base, "--draft", str(tiny_llama_draft), "--k", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == target_only and out["speculative"]["num_draft_tokens"] > 0
+    assert main([*base, "--draft", str(tiny_llama_draft), "--speculative-sampling", "residual"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 24
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--speculative-sampling", "exact"])
+    assert e.value.code == 2 and "--speculative-sampling" in capsys.readouterr().err

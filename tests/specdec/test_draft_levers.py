@@ -11,6 +11,7 @@ import torch
 
 import specdec.draft_vocab
 import specdec.proposers.model
+import specdec.sampling
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.draft_precision import (CANDIDATES, Measurement, candidates_here, choose_precision, expected_speedup,
                                      pick, prepare_draft)
@@ -73,10 +74,10 @@ def test_ngram_first_proposes_matches_for_free(tiny_llama, tiny_llama_draft, pri
     proposer = engine.proposer
     context = [10, 20, 30, 40, 50, 60, 10, 20, 30]
     # A 3-token match: the lookup proposes what followed, up to max_tokens, with no draft forward.
-    p = proposer.propose(proposer.new_state(), context, 2, SamplingParams(), torch.Generator(), max_tokens=5)
+    p = proposer.propose(proposer.new_state(), context, 2, SamplingParams(), max_tokens=5)
     assert p.token_ids == [40, 50, 60, 10, 20] and p.num_forwards == 0 and p.probs is None
     # No match of 3: the model proposes exactly K.
-    p = proposer.propose(proposer.new_state(), [1, 2, 3, 4], 2, SamplingParams(), torch.Generator(), max_tokens=5)
+    p = proposer.propose(proposer.new_state(), [1, 2, 3, 4], 2, SamplingParams(), max_tokens=5)
     assert len(p.token_ids) == 2 and p.num_forwards == 2
 
 
@@ -184,22 +185,18 @@ def test_reduced_vocab_draft_sampling_matches_target(small_vocab_pair, monkeypat
 def test_unrenormalized_draft_q_is_detected(small_vocab_pair, monkeypatch):
     """Negative control: proposals drawn from the kept tokens, but q reported as the draft's full
     softmax (mass outside the kept set), must fail the same test."""
-    real_probs, real_sample = specdec.proposers.model.logits_to_probs, specdec.proposers.model.sample
     kept_ids = {}
 
-    def full_q(logits, sampling):
+    def leaky_choose(logits, sampling, position, purpose="draft"):
         finite = torch.isfinite(logits)
         leaked = torch.where(finite, logits, logits[finite].min() + 2.0)  # the excluded tokens keep some mass
-        return real_probs(leaked, sampling)
+        q = specdec.sampling.logits_to_probs(leaked, sampling)[0]
+        mask = torch.zeros_like(q)
+        mask[kept_ids["ids"]] = 1.0
+        restricted = q * mask / (q * mask).sum()  # drawn from the kept tokens, reported as the full q
+        return specdec.sampling.draw(restricted, specdec.sampling.uniform(sampling.seed, purpose, position)), q
 
-    def kept_only(probs, generator):
-        mask = torch.zeros_like(probs)
-        mask[:, kept_ids["ids"]] = 1.0
-        restricted = probs * mask
-        return real_sample(restricted / restricted.sum(-1, keepdim=True), generator)
-
-    monkeypatch.setattr(specdec.proposers.model, "logits_to_probs", full_q)
-    monkeypatch.setattr(specdec.proposers.model, "sample", kept_only)
+    monkeypatch.setattr(specdec.proposers.model, "choose", leaky_choose)
     from tests.distribution import VOCAB
 
     kept_ids["ids"] = torch.tensor(sorted(RANKING[:NUM_KEPT]))[torch.tensor(sorted(RANKING[:NUM_KEPT])) < VOCAB]

@@ -7,7 +7,6 @@ from specdec import SamplingParams
 from specdec.model_runner import ModelRunner
 from specdec.models import load_model
 from specdec.proposers import DraftModelProposer
-from specdec.sampling import make_generator
 
 
 def assert_caches_close(a, b):
@@ -58,14 +57,14 @@ def test_draft_catches_up_without_recompute(runner):
     state = proposer.new_state()
     greedy = SamplingParams()
     context = [4, 8, 15, 16]
-    proposal = proposer.propose(state, context, 4, greedy, make_generator(0, "draft"))
+    proposal = proposer.propose(state, context, 4, greedy)
     assert len(proposal) == 4 and proposal.num_catchup_tokens == 3  # the prompt, minus its last token
     assert state.token_ids == context + proposal.token_ids[:3]
     # The target accepted 2 and emitted a different third token.
     committed = context + proposal.token_ids[:2] + [(proposal.token_ids[2] + 1) % 96]
     proposer.rewind(state, committed)
     assert state.token_ids == context + proposal.token_ids[:2]
-    proposal2 = proposer.propose(state, committed, 2, greedy, make_generator(0, "draft"))
+    proposal2 = proposer.propose(state, committed, 2, greedy)
     assert proposal2.num_catchup_tokens == 0  # only the new token is fed, with the first draft step
     fresh = runner.new_cache()
     runner.forward(fresh, committed + proposal2.token_ids[:1])
@@ -77,10 +76,9 @@ def test_draft_proposal_reports_the_tokens_its_rewind_dropped(runner):
     proposer = DraftModelProposer(runner)
     state, greedy = proposer.new_state(), SamplingParams(temperature=0.0)
     context = [4, 8, 15, 16]
-    first = proposer.propose(state, context, 4, greedy, make_generator(0, "draft"))
+    first = proposer.propose(state, context, 4, greedy)
     assert first.rewound_tokens == 0 and first.cache_tokens == len(context) + 3  # the last proposal is not fed
     # The target accepted two proposals and repaired the third: the cache drops the third.
     repaired = (first.token_ids[2] + 1) % 96
-    second = proposer.propose(state, context + first.token_ids[:2] + [repaired], 4, greedy,
-                              make_generator(0, "draft"))
+    second = proposer.propose(state, context + first.token_ids[:2] + [repaired], 4, greedy)
     assert second.rewound_tokens == 1 and second.cache_tokens == len(context) + 3 + 3
