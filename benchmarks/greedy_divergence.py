@@ -79,6 +79,26 @@ def measure(target: Path, draft: str, dtype: str, prompts: list[list[int]], toke
             _summary("specdec_batched_vs_hf_alone", spec_batched, alone)]
 
 
+def tiny_pair(num_prompts: int) -> tuple[Path, Path, list[list[int]]]:
+    """A tiny random Llama (vocab 512), a draft perturbed from it, and random prompts of 4-39 tokens."""
+    from tests.tiny_models import make_model
+
+    g = torch.Generator().manual_seed(0)
+    root = Path(tempfile.mkdtemp())
+    target = make_model(root / "target", "llama", vocab_size=512, seed=1, eos_token_id=None, hidden=64, layers=2)
+    draft = make_model(root / "draft", perturb_from=target, noise=0.05, seed=2)
+    prompts = [torch.randint(5, 500, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 40, (num_prompts,), generator=g)]
+    return target, draft, prompts
+
+
+def report(title: str, rows: list[dict]) -> None:
+    print(f"{title}:", flush=True)
+    for row in rows:
+        print(f"  {row['comparison']}: {row['diverged']}/{row['prompts']} diverged "
+              f"(first differences at {row['first_difference_at'][:8]})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tiny", help="a model directory, or 'tiny' (a random Llama + draft)")
@@ -92,15 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from specdec.cpu import cpu_info
 
-    g = torch.Generator().manual_seed(0)
     if args.target == "tiny":
-        from tests.tiny_models import make_model
-
-        root = Path(tempfile.mkdtemp())
-        target = make_model(root / "target", "llama", vocab_size=512, seed=1, eos_token_id=None, hidden=64, layers=2)
-        draft = args.draft or str(make_model(root / "draft", perturb_from=target, noise=0.05, seed=2))
-        prompts = [torch.randint(5, 500, (int(n),), generator=g).tolist()
-                   for n in torch.randint(4, 40, (args.prompts,), generator=g)]
+        target, tiny_draft, prompts = tiny_pair(args.prompts)
+        draft = args.draft or str(tiny_draft)
     else:
         from transformers import AutoTokenizer
 
@@ -115,10 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtypes.split(","):
         started = time.perf_counter()
         result["runs"][dtype] = measure(target, draft, dtype, prompts, args.tokens, args.k)
-        print(f"{dtype} ({time.perf_counter() - started:.0f}s):", flush=True)
-        for row in result["runs"][dtype]:
-            print(f"  {row['comparison']}: {row['diverged']}/{row['prompts']} diverged "
-                  f"(first differences at {row['first_difference_at'][:8]})", flush=True)
+        report(f"{dtype} ({time.perf_counter() - started:.0f}s)", result["runs"][dtype])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

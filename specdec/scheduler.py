@@ -50,7 +50,7 @@ from specdec.proposers import Proposal
 from specdec.request import GenerationRequest, RequestTimeout
 from specdec.sampling import resolve
 from specdec.sequence import Sequence as GenSequence, StreamChunk
-from specdec.speculation_length import AutoK, CostModel, make_policy
+from specdec.speculation_length import AutoK, CostModel, FixedK, HeuristicK, make_policy
 from specdec.step import Step
 from specdec import verify
 
@@ -75,6 +75,10 @@ class Active:
     draft_ok: bool = True
     pending: Proposal | None = None  # a pre-drafted block for the next step
     cancelled: bool = False
+    # Its K must not depend on batch-mates (a seeded residual request): `_plan` lets it sit a step
+    # out rather than trim its K to the step's token budget.
+    pinned: bool = False
+    waited: int = 0  # steps sat out in a row for the token budget (they go first next step)
     # Events for metrics: ("started", None), ("prefilled", (prompt tokens, cached)), ("step", StepInfo).
     observer: Callable[[str, object], None] | None = None
 
@@ -125,11 +129,14 @@ class Scheduler:
         pipeline = bool(can is not None and can.concurrent
                         and (request.pipeline if request.pipeline is not None else can.pipeline))
         eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
+        seeded = sampling.seed is not None
         # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
         sampling = resolve(sampling, self.config.speculative_sampling)
+        pinned, policy = self._pin(sampling, seeded, policy)
+        pipeline = pipeline and not pinned
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-        item = Active(request, seq, policy, sink, pipeline, deadline, observer=observer)
+        item = Active(request, seq, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
         with self._wake:
             if request.request_id in self._ids:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -137,6 +144,20 @@ class Scheduler:
             self.waiting.append(item)
             self._wake.notify_all()
         return item
+
+    @staticmethod
+    def _pin(sampling: SamplingParams, seeded: bool, policy):
+        """(pinned, K policy) of a request. A seeded residual request's text depends on its K and on
+        the draft's q: it gets K from its own history alone (auto: `HeuristicK`), never trimmed for
+        batch-mates (`_plan`), and it does not pipeline: a pre-drafted block runs the draft over
+        other shapes (bfloat16 rounding moves q: 6/64 texts changed,
+        docs/bench/seeded-stability-tiny.json) and, with the hybrid draft, looks up another
+        context. Greedy and invariant text never depend on K or q."""
+        pinned = (seeded and not sampling.greedy and sampling.speculative_sampling == "residual"
+                  and not (isinstance(policy, FixedK) and policy.k == 0))
+        if pinned and isinstance(policy, AutoK):
+            policy = HeuristicK(policy.k_max)
+        return pinned, policy
 
     def cancel(self, item: Active) -> None:
         with self._wake:
@@ -254,15 +275,42 @@ class Scheduler:
                                       rows=len(batch))
                 tokens += ks[i] + 1 - mine_tokens
                 expected += policy.expected_tokens(ks[i]) - mine_expected
-        ks = [item.seq.clamp_k(k, self.max_context) for item, k in zip(batch, ks)]
-        # The step's token budget: shrink the largest K first.
-        while sum(k + 1 for k in ks) > self.max_batch_tokens and any(ks):
-            ks[ks.index(max(ks))] -= 1
-        return ks
+        return [item.seq.clamp_k(k, self.max_context) for item, k in zip(batch, ks)]
+
+    def _plan(self, running: list[Active]) -> Step:
+        """The step's rows and their K within the token budget (`max_batch_tokens` verify tokens).
+
+        A pinned row (`Active.pinned`) takes its K whole, plus room for the longest proposal it may
+        get (a prompt-lookup match, up to k_max), or sits this step out; rows that sat out go first
+        next step, so none waits more than a step or two (a pinned row whose K is over the whole
+        budget steps alone). The others share what is left: each at least one token, then the
+        largest K shrinks first."""
+        ks = self._choose_k(running)
+        reach = list(ks)  # the longest proposal a row may get
+        for i, item in enumerate(running):
+            if item.pinned and ks[i]:
+                longest = item.seq.clamp_k(self.config.k_max, self.max_context) if self.config.ngram_first else ks[i]
+                reach[i] = max(ks[i], longest)
+        left, rows = self.max_batch_tokens, []
+        for i in sorted(range(len(running)), key=lambda i: -running[i].waited):
+            need = reach[i] + 1 if running[i].pinned else 1
+            if need <= left or not rows:  # a row that needs more than the whole budget steps alone
+                rows.append(i)
+                left -= need
+        for i, item in enumerate(running):
+            item.waited = 0 if i in rows else item.waited + 1
+        rows.sort()
+        free = [i for i in rows if not running[i].pinned]
+        left = max(left, 0) + len(free)
+        while sum(ks[i] + 1 for i in free) > left and any(ks[i] for i in free):
+            ks[max(free, key=lambda i: ks[i])] -= 1
+        return Step([running[i] for i in rows], [ks[i] for i in rows], started=time.perf_counter(),
+                    reach=[reach[i] if running[i].pinned else None for i in rows],
+                    room=max(0, left - sum(ks[i] + 1 for i in free)))
 
     def _step(self, batch: list[Active]) -> None:
         """One speculative step over the running batch, phase by phase (see the module docstring)."""
-        step = Step(batch, self._choose_k(batch), started=time.perf_counter())
+        step = self._plan(batch)
         self._propose(step)
         wait_target = self._submit_verify(step)
         if wait_target is None:
@@ -292,12 +340,12 @@ class Scheduler:
         if not draft_rows:
             return
         # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per row,
-        # within max_tokens, the context and the step's token budget. Where the budget holds every
-        # row's k_max, a row's room does not depend on its batch-mates (nor, then, does its text).
-        room = max(0, self.max_batch_tokens - sum(k + 1 for k in ks))
-        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.k_max, self.max_context)) for i in draft_rows}
-        if sum(caps[i] - ks[i] for i in draft_rows) > room:
-            caps = {i: min(caps[i], ks[i] + room // len(draft_rows)) for i in draft_rows}
+        # within max_tokens, the context and the step's token budget (`_plan` set a pinned row's).
+        free = [i for i in draft_rows if step.reach[i] is None]
+        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.k_max, self.max_context)) for i in free}
+        if free and sum(caps[i] - ks[i] for i in free) > step.room:
+            caps = {i: min(caps[i], ks[i] + step.room // len(free)) for i in free}
+        caps.update({i: step.reach[i] for i in draft_rows if step.reach[i] is not None})
         rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling, caps[i])
                 for i in draft_rows]
         try:

@@ -13,8 +13,10 @@ engine runs, not assumed:
   pay (a hopeless draft, or a draft nearly as slow as the target), the request falls back to it and
   only probes the draft now and then, with exponentially growing intervals.
 
-With k=auto the K sequence depends on timings, so a seeded *sampled* request is reproducible only
-with a fixed k (its distribution is exact either way; greedy output never depends on K).
+Greedy and `invariant` sampling never depend on K. A `residual`-sampled request's text does (the
+draft's proposals decide which numbers are drawn), so a request that names a seed and samples in
+residual mode gets a K that depends on nothing but its own history (`HeuristicK` for auto, `FixedK`
+otherwise), and the scheduler never trims it for batch-mates.
 """
 
 from __future__ import annotations
@@ -34,6 +36,26 @@ class FixedK:
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         pass
+
+
+class HeuristicK:
+    """K from the request's own acceptance alone: Hugging Face assisted generation's "heuristic"
+    schedule (+2 after a wholly accepted proposal, -1 otherwise, within 1..k_max).
+
+    Auto-K weighs measured timings and the batch; this does not, so the K sequence (and with it a
+    residual-sampled request's text) is a function of the request alone. Used for seeded
+    `residual` requests that ask for auto."""
+
+    def __init__(self, k_max: int, k_initial: int = 4) -> None:
+        self.k_max = k_max
+        self.k = max(1, min(k_initial, k_max))
+
+    def next_k(self) -> int:
+        return self.k
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed > 0:
+            self.k = min(self.k + 2, self.k_max) if num_accepted >= num_proposed else max(1, self.k - 1)
 
 
 @dataclass

@@ -47,6 +47,9 @@ class Step:
     batch: list[Active]
     ks: list[int]  # [num_rows] K asked of each row (0: target-only this step)
     started: float
+    # [num_rows] a pinned row's longest proposal (its budget share); None: the row shares `room`.
+    reach: list[int | None] = field(default_factory=list)
+    room: int = 0  # verify tokens left in the budget for the unpinned rows' prompt-lookup matches
     proposals: list[Proposal] = field(default_factory=list)  # [num_rows]
     drafted: list[bool] = field(default_factory=list)  # [num_rows] a draft call proposed it this step
     failures_before: list[int] = field(default_factory=list)  # [num_rows] draft failures before the step
@@ -69,6 +72,7 @@ class Step:
         self.drafted = [False] * n
         self.results = [None] * n
         self.failures_before = [item.seq.stats.draft_failures for item in self.batch]
+        self.reach = self.reach or [None] * n
 
     def info(self, i: int, verify_seconds: float, draft_failures_now: int) -> StepInfo:
         """Row i's numbers for stats and metrics."""

@@ -20,7 +20,7 @@ is the target-only text for the seed (`verify_invariant`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,16 +80,16 @@ def recovered_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor
     return residual / total
 
 
-def bonus_distribution(target_probs: torch.Tensor, k: int) -> torch.Tensor:
+def bonus_distribution(target_row: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
     """The bonus token's distribution after K accepted proposals: the target's at position K+1,
-    row K of `[K+1, vocab]` (`[1, vocab]`)."""
-    return target_probs[k : k + 1]
+    row K (`[vocab]`) of the K+1 verified positions."""
+    return target_row(k)
 
 
 def verify_sampled(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | Callable[[int], torch.Tensor],
     seed: int,
     position: int,
 ) -> VerifyResult:
@@ -98,35 +98,29 @@ def verify_sampled(
     draft_token_ids: K proposed ids.
     draft_probs: `[K, vocab]` the warped distributions the ids were drawn from, or None for a
         deterministic proposer (q one-hot at each proposed id).
-    target_probs: `[K+1, vocab]` the warped target distributions at the K+1 positions.
+    target_probs: `[K+1, vocab]` the warped target distributions at the K+1 positions, or a function
+        of j giving row j (`[vocab]`): only the rows up to the first rejection are asked for.
     seed, position: the request's seed and the absolute position of the first proposed token. The
         uniform that accepts the token at position t is (seed, "accept", t); the token drawn at the
         first rejection, or the bonus token, uses (seed, "resample", t).
     """
+    row = target_probs if callable(target_probs) else target_probs.__getitem__
     k = len(draft_token_ids)
-    device = target_probs.device
-    if k == 0:
-        return VerifyResult(0, 0, [draw(target_probs[0], uniform(seed, "resample", position))])
-    ids = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)  # [K]
-    positions = torch.arange(k, device=device)
-    p_x = target_probs[positions, ids]  # [K]
-    q_x = draft_probs[positions, ids] if draft_probs is not None else torch.ones_like(p_x)  # [K]
-    uniforms = torch.tensor([uniform(seed, "accept", position + j) for j in range(k)], dtype=p_x.dtype,
-                            device=device)  # [K]
-    accepted = (uniforms < accept_probability(p_x, q_x)).tolist()
-    num_accepted = accepted.index(False) if False in accepted else k
-    u = uniform(seed, "resample", position + num_accepted)
-    if num_accepted == k:
-        bonus = draw(bonus_distribution(target_probs, k)[0], u)
-        return VerifyResult(k, k, list(draft_token_ids) + [bonus])
-    p = target_probs[num_accepted]
-    if draft_probs is not None:
-        q = draft_probs[num_accepted]
-    else:
-        q = torch.zeros_like(p)
-        q[int(draft_token_ids[num_accepted])] = 1.0
-    recovered = draw(recovered_distribution(p, q), u)
-    return VerifyResult(k, num_accepted, list(draft_token_ids[:num_accepted]) + [recovered])
+    if k == 0:  # target-only decoding
+        return VerifyResult(0, 0, [draw(row(0), uniform(seed, "resample", position))])
+    for j, x in enumerate(draft_token_ids):
+        p = row(j)
+        q_x = draft_probs[j, int(x)] if draft_probs is not None else torch.ones((), dtype=p.dtype)
+        if not uniform(seed, "accept", position + j) < float(accept_probability(p[int(x)], q_x)):
+            if draft_probs is not None:
+                q = draft_probs[j]
+            else:
+                q = torch.zeros_like(p)
+                q[int(x)] = 1.0
+            recovered = draw(recovered_distribution(p, q), uniform(seed, "resample", position + j))
+            return VerifyResult(k, j, list(draft_token_ids[:j]) + [recovered])
+    bonus = draw(bonus_distribution(row, k), uniform(seed, "resample", position + k))
+    return VerifyResult(k, k, list(draft_token_ids) + [bonus])
 
 
 def verify_invariant(
@@ -141,12 +135,11 @@ def verify_invariant(
     (seed, t): a draw from the warped p. A proposed token is accepted while it equals that choice;
     the first mismatch emits the target's own choice. So the output is the target-only output for
     the same seed, whatever was proposed. target_logits: `[K+1, vocab]`; position: the absolute
-    position of the first proposed token. Noise is drawn only up to the first mismatch."""
+    position of the first proposed token. Rows are warped and noised only up to the first mismatch."""
     k = len(draft_token_ids)
-    scores = warp_logits(target_logits, sampling)  # [K+1, vocab]
     out: list[int] = []
     for j in range(k + 1):
-        out.append(gumbel_argmax(scores[j], sampling.seed, position + j))
+        out.append(gumbel_argmax(warp_logits(target_logits[j : j + 1], sampling)[0], sampling.seed, position + j))
         if j == k or out[-1] != int(draft_token_ids[j]):
             break
     return VerifyResult(k, len(out) - 1, out)
@@ -166,5 +159,5 @@ def verify_proposal(
         return verify_greedy(draft_token_ids, target_logits)
     if sampling.speculative_sampling == "invariant":
         return verify_invariant(draft_token_ids, target_logits, sampling, position)
-    return verify_sampled(draft_token_ids, draft_probs, logits_to_probs(target_logits, sampling), sampling.seed,
-                          position)
+    return verify_sampled(draft_token_ids, draft_probs,
+                          lambda j: logits_to_probs(target_logits[j : j + 1], sampling)[0], sampling.seed, position)
