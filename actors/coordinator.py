@@ -43,7 +43,7 @@ import ray
 
 from actors.config import RayEngineConfig
 from actors.groups import HEALTH_GROUP, create_draft_worker, create_target_group, kill_target_group, reserve_draft
-from actors.metrics import GAUGE_REFRESH_S, EngineMetrics
+from actors.metrics import GAUGE_REFRESH_S, EngineMetrics, request_features
 from specdec.backends import DraftCapabilities
 from specdec.calibration import runtime_check
 from specdec.kernels import VERIFY_TOKENS
@@ -270,7 +270,7 @@ class Coordinator:
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
         out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        record = self.metrics.arrived(request.request_id)
+        record = self.metrics.arrived(request.request_id, request_features(sampling))
         if not self.scheduler.num_active:  # the health check's stall clock starts when work arrives
             self._last_progress = time.monotonic()
 

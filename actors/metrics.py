@@ -69,6 +69,7 @@ _FIRST_TOKEN = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 _REQUEST = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
 MAX_ACCEPTED_LENGTH = 32  # a step commits at most K + 1 tokens; longer steps (K > 31) fall in +Inf
 _ACCEPTED_LENGTH = [i + 0.5 for i in range(MAX_ACCEPTED_LENGTH + 1)]
+_ACCEPTANCE = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0]
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def _g(name, description, *labels):
     return MetricSpec("gauge", name, description, labels)
 
 
-def _h(name, description, buckets):
-    return MetricSpec("histogram", name, description, (), tuple(buckets))
+def _h(name, description, buckets, *labels):
+    return MetricSpec("histogram", name, description, labels, tuple(buckets))
 
 
 #: Every metric the engine exports (names before Ray's `ray_` prefix and the counters' `_total`).
@@ -132,7 +133,18 @@ METRICS = {spec.name: spec for spec in (
                                          "for it.", _LATENCY),
     _h("specdec_accepted_length", "Tokens committed per verify step that checked draft tokens (accepted + 1).",
        _ACCEPTED_LENGTH),
+    _h("specdec_request_acceptance_rate", "Each finished request's acceptance rate (accepted / proposed draft "
+                                          "tokens; requests that proposed none are not observed), by the features "
+                                          "it used (`request_features`).", _ACCEPTANCE, "features"),
 )}
+
+
+def request_features(sampling) -> str:
+    """The request features that change what speculation costs, as one label value: "plain", or the
+    ones in use joined by "+" (logprobs, penalties: any bias or penalty)."""
+    used = [name for name, on in (("logprobs", sampling.logprobs is not None),
+                                  ("penalties", sampling.processes_logits)) if on]
+    return "+".join(used) or "plain"
 
 _created: dict[str, object] = {}  # one Ray metric object per name in this process
 
@@ -210,10 +222,10 @@ class EngineMetrics:
     def set(self, name: str, value: float, **labels: str) -> None:
         _metric(name).set(value, tags={**self.tags, **labels})
 
-    def observe(self, name: str, value: float, times: int = 1) -> None:
+    def observe(self, name: str, value: float, times: int = 1, **labels: str) -> None:
         metric = _metric(name)
         for _ in range(times):
-            metric.observe(value, tags=self.tags)
+            metric.observe(value, tags={**self.tags, **labels})
 
     def _set_gauges(self) -> None:
         self.set("specdec_requests_waiting", self._waiting)
@@ -226,19 +238,21 @@ class EngineMetrics:
 
     # ------------------------------------------------------------------------------ requests
 
-    def arrived(self, request_id: str) -> "RequestMetrics":
+    def arrived(self, request_id: str, features: str = "plain") -> "RequestMetrics":
         """A request passed validation and waits for the engine (see `RequestMetrics`)."""
         self._waiting += 1
         self.set("specdec_requests_waiting", self._waiting)
-        return RequestMetrics(self, request_id)
+        return RequestMetrics(self, request_id, features)
 
 
 class RequestMetrics:
-    """One request's recording point: its clock, and what it holds in the caches."""
+    """One request's recording point: its clock, what it holds in the caches, its acceptance."""
 
-    def __init__(self, engine: EngineMetrics, request_id: str) -> None:
+    def __init__(self, engine: EngineMetrics, request_id: str, features: str = "plain") -> None:
         self.engine = engine
         self.request_id = request_id
+        self.features = features
+        self.proposed = self.accepted = 0
         self.arrived = time.perf_counter()
         self.last_token: float | None = None  # when the last step committed (None: no token yet)
         self.state = "waiting"  # waiting -> running -> finished
@@ -265,6 +279,8 @@ class RequestMetrics:
         if step.draft_seconds is not None:
             engine.observe("specdec_draft_latency_seconds", step.draft_seconds)
         if step.num_proposed:
+            self.proposed += step.num_proposed
+            self.accepted += step.num_accepted
             engine.inc("specdec_num_drafts")
             engine.inc("specdec_num_draft_tokens", step.num_proposed)
             engine.inc("specdec_num_accepted_tokens", step.num_accepted)
@@ -297,6 +313,9 @@ class RequestMetrics:
             engine.inc("specdec_requests", finish_reason=finish_reason)
             if finish_reason in ("stop", "length"):
                 engine.observe("specdec_request_latency_seconds", time.perf_counter() - self.arrived)
+                if self.proposed:
+                    engine.observe("specdec_request_acceptance_rate", self.accepted / self.proposed,
+                                   features=self.features)
         self.state = "finished"
         engine._set_gauges()
 

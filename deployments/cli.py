@@ -52,6 +52,10 @@ def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
     h.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request still running after this fails with 408 and is cancelled [default: 600]")
     h.add_argument("--max-n", type=int, default=8, help="largest n × prompts per request [default: 8]")
+    h.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
+                   help="sampling defaults for fields a request omits: auto = the model's generation_config.json "
+                        "(a preset's: its authors' values from the catalog); vllm or none = OpenAI's (temperature "
+                        "1, top_p 1, no penalty); DIR = the generation_config.json there [default: auto]")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=8080, metavar="PORT",
                    help="the local Ray's metrics export port: Prometheus scrapes the engine's specdec_* metrics "
@@ -75,7 +79,7 @@ def options_from_args(args: argparse.Namespace):
                   served_model_name=args.served_model_name, max_ongoing_requests=args.max_ongoing_requests,
                   max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
                   max_n=args.max_n, api_key=args.api_key, trust_remote_code=args.trust_remote_code,
-                  allow_pickle_weights=args.allow_pickle_weights)
+                  allow_pickle_weights=args.allow_pickle_weights, generation_config=args.generation_config)
     try:
         options = ServeOptions(**fields)
         options.ray_engine_config()  # the core's and the actors' checks, before anything starts

@@ -70,12 +70,27 @@ class ServeOptions(BaseModel):
     max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond those; more get 503")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still running after this fails with 408")
     max_n: int = Field(8, ge=1, description="largest n (choices per prompt) and number of prompts per request")
+    generation_config: str = Field("auto", description="sampling defaults for fields a request omits: auto (the "
+                                   "model's generation_config.json, a preset's from the catalog), vllm or none "
+                                   "(OpenAI's), or a directory holding a generation_config.json")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' [default: "
                                                         "$SPECDEC_API_KEY]")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of 503 answers")
     require_api_key: bool = Field(False, description="refuse to build the app without an API key (a service "
                                                      "other machines can reach; deployments/cluster-serve.yaml)")
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, value: str) -> str:
+        from pathlib import Path
+
+        from specdec.generation_defaults import MODES
+
+        if value not in MODES and not (Path(value).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"must be one of {', '.join(MODES)} or a directory holding generation_config.json, "
+                             f"got {value!r}")
+        return value
 
     @field_validator("k", mode="before")
     @classmethod

@@ -116,7 +116,8 @@ _BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "prompt", "messages", "seed", "stop"):
+    for name in ("logit_bias", "logprobs", "max_tokens", "temperature", "top_p", "top_k", "prompt", "messages", "seed",
+                 "stop"):
         if name in message:
             return name
     return None

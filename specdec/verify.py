@@ -20,13 +20,26 @@ is the target-only text for the seed (`verify_invariant`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specdec.config import SamplingParams
-from specdec.sampling import draw, gumbel_argmax, logits_to_probs, uniform, warp_logits
+from specdec.logits_processing import process
+from specdec.sampling import draw, gumbel_argmax, uniform, warp_logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and of the most likely alternatives
+    (their texts are filled in when the token is committed: `Sequence.commit`)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+    token: str = ""  # the emitted token's text, decoded alone
+    top_tokens: tuple[str, ...] = ()  # [len(top)] the alternatives' texts
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,7 @@ class VerifyResult:
     num_proposed: int  # K
     num_accepted: int  # accepted draft tokens: a prefix of the proposal
     token_ids: list[int]  # [num_accepted + 1]: accepted tokens, then the recovered or bonus token
+    logprobs: list[TokenLogprob] | None = None  # [num_accepted + 1] when the request asked for them
 
     @property
     def all_accepted(self) -> bool:
@@ -123,9 +137,43 @@ def verify_sampled(
     return VerifyResult(k, k, list(draft_token_ids) + [bonus])
 
 
+class RowScores:
+    """The target's scores at each verified position, computed when first asked for: row j's logits
+    processed from the committed prefix plus the proposed tokens before j (`logits_processing`),
+    then warped (sampled requests). Greedy argmax, Gumbel-max, p and the log-probabilities all
+    read these, so they agree with target-only decoding, which computes the same per position."""
+
+    def __init__(self, target_logits: torch.Tensor, sampling: SamplingParams, prefix: Sequence[int],
+                 draft_token_ids: Sequence[int]) -> None:
+        self.logits, self.sampling = target_logits, sampling
+        self.prefix, self.draft = prefix, draft_token_ids
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __call__(self, j: int) -> torch.Tensor:
+        """`[vocab]` scores at proposal position j."""
+        if j not in self.rows:
+            row = self.logits[j : j + 1]
+            if self.sampling.processes_logits:
+                row = process(row, self.sampling, [*self.prefix, *self.draft[:j]])
+            if not self.sampling.greedy:
+                row = warp_logits(row, self.sampling)
+            self.rows[j] = row[0]
+        return self.rows[j]
+
+    def logprobs(self, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+        """Log-probabilities of the emitted `token_ids` (one per position from 0) and `top` alternatives."""
+        out = []
+        for j, token in enumerate(token_ids):
+            logprobs = torch.log_softmax(self(j).float(), dim=-1)
+            best = logprobs.topk(top) if top else None
+            out.append(TokenLogprob(float(logprobs[int(token)]), tuple(zip(best.indices.tolist(), best.values.tolist()))
+                                    if best is not None else ()))
+        return out
+
+
 def verify_invariant(
     draft_token_ids: Sequence[int],
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | Callable[[int], torch.Tensor],
     sampling: SamplingParams,
     position: int,
 ) -> VerifyResult:
@@ -135,11 +183,13 @@ def verify_invariant(
     (seed, t): a draw from the warped p. A proposed token is accepted while it equals that choice;
     the first mismatch emits the target's own choice. So the output is the target-only output for
     the same seed, whatever was proposed. target_logits: `[K+1, vocab]`; position: the absolute
-    position of the first proposed token. Rows are warped and noised only up to the first mismatch."""
+    position of the first proposed token; or a function of j giving row j's warped scores (`RowScores`).
+    Rows are warped and noised only up to the first mismatch."""
+    scores = target_logits if callable(target_logits) else RowScores(target_logits, sampling, (), draft_token_ids)
     k = len(draft_token_ids)
     out: list[int] = []
     for j in range(k + 1):
-        out.append(gumbel_argmax(warp_logits(target_logits[j : j + 1], sampling)[0], sampling.seed, position + j))
+        out.append(gumbel_argmax(scores(j), sampling.seed, position + j))
         if j == k or out[-1] != int(draft_token_ids[j]):
             break
     return VerifyResult(k, len(out) - 1, out)
@@ -151,13 +201,33 @@ def verify_proposal(
     target_logits: torch.Tensor,
     sampling: SamplingParams,
     position: int,
+    prefix: Sequence[int] = (),
 ) -> VerifyResult:
     """Verify K proposed tokens against the target's `[K+1, vocab]` logits the way the request
     samples (greedy, invariant or residual); `sampling` must be `sampling.resolve`d (a seed and a mode).
-    position: the absolute position of the first proposed token (the committed length)."""
-    if sampling.greedy:
-        return verify_greedy(draft_token_ids, target_logits)
-    if sampling.speculative_sampling == "invariant":
-        return verify_invariant(draft_token_ids, target_logits, sampling, position)
-    return verify_sampled(draft_token_ids, draft_probs,
-                          lambda j: logits_to_probs(target_logits[j : j + 1], sampling)[0], sampling.seed, position)
+    position: the absolute position of the first proposed token (the committed length); prefix: the
+    committed tokens (read when the request processes logits). With `sampling.logprobs`, the result
+    carries the emitted tokens' log-probabilities from the same scores."""
+    scores = RowScores(target_logits, sampling, prefix, draft_token_ids)
+    if sampling.greedy and not sampling.processes_logits:
+        result = verify_greedy(draft_token_ids, target_logits)
+    elif sampling.greedy:
+        result = _verify_greedy_rows(draft_token_ids, scores)
+    elif sampling.speculative_sampling == "invariant":
+        result = verify_invariant(draft_token_ids, scores, sampling, position)
+    else:
+        result = verify_sampled(draft_token_ids, draft_probs, lambda j: torch.softmax(scores(j), dim=-1),
+                                sampling.seed, position)
+    if sampling.logprobs is None:
+        return result
+    return dataclasses.replace(result, logprobs=scores.logprobs(result.token_ids, sampling.logprobs))
+
+
+def _verify_greedy_rows(draft_token_ids: Sequence[int], scores: RowScores) -> VerifyResult:
+    """Greedy verification over processed rows, each computed only if the one before matched."""
+    out: list[int] = []
+    for j in range(len(draft_token_ids) + 1):
+        out.append(int(scores(j).argmax()))
+        if j == len(draft_token_ids) or out[-1] != int(draft_token_ids[j]):
+            break
+    return VerifyResult(len(draft_token_ids), len(out) - 1, out)

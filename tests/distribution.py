@@ -16,19 +16,60 @@ PATTERN = [3, 1, 2]
 PROMPT = [3, 1, 2, 3, 1, 2, 3, 1]  # repetitive, so the n-gram proposer has something to propose
 
 
-def _next_token_probs(model, sequences: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties over the generated tokens, as a Hugging Face logits
+    processor (HF has none): logit -= frequency * count + presence * [count > 0]. Written apart from
+    specdec's (`bincount` over the vocabulary), for the references only."""
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for b in range(scores.shape[0]):
+            counts = torch.bincount(input_ids[b, self.prompt_length:], minlength=scores.shape[-1])[: scores.shape[-1]]
+            scores[b] -= self.frequency * counts.to(scores.dtype) + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+def hf_processors(params: SamplingParams, prompt_length: int) -> list:
+    """Hugging Face's processors for the request's biases and penalties, in `generate()`'s order
+    (its own, then custom ones): sequence bias, repetition penalty, then OpenAI's penalties."""
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    processors = []
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(int(t),): float(b) for t, b in params.logit_bias}))
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(OpenAIPenalties(params.presence_penalty, params.frequency_penalty, prompt_length))
+    return processors
+
+
+def hf_scores(scores: torch.Tensor, sequences: torch.Tensor, params: SamplingParams, prompt_length: int) -> torch.Tensor:
+    """`[n, vocab]` next-token logits after `sequences` `[n, length]` -> the scores HF samples from
+    (processors, then temperature, top-k and top-p warpers for a sampled request)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from specdec.kernels import stock_linears
-
-    with torch.no_grad(), stock_linears(model):
-        scores = model(sequences).logits[:, -1].float()  # [num_sequences, vocab]
+    for processor in hf_processors(params, prompt_length):
+        scores = processor(sequences, scores)
+    if params.greedy:
+        return scores
     for warper in (TemperatureLogitsWarper(params.temperature),
                    TopKLogitsWarper(params.top_k) if params.top_k else None,
                    TopPLogitsWarper(params.top_p) if params.top_p < 1 else None):
         if warper is not None:
-            scores = warper(None, scores)
-    return torch.softmax(scores, -1).double()
+            scores = warper(sequences, scores)
+    return scores
+
+
+def _next_token_probs(model, sequences: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from specdec.kernels import stock_linears
+
+    with torch.no_grad(), stock_linears(model):
+        scores = model(sequences).logits[:, -1].float()  # [num_sequences, vocab]
+    return torch.softmax(hf_scores(scores, sequences, params, len(PROMPT)), -1).double()
 
 
 def exact_pair_distribution(model, params: SamplingParams, first: int = 0) -> torch.Tensor:

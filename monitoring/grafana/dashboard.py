@@ -112,6 +112,17 @@ def build() -> dict:
         [(f"{rate('ray_specdec_num_accepted_tokens_per_pos_total', 'position')} / ignoring(position) "
           f"group_left {rate(DRAFTS)}", "position {{position}}")]))
 
+    d = d.with_panel(panel(
+        "timeseries", "Acceptance per request, by features",
+        "Median and 10th percentile of finished requests' acceptance rates, by the features they used (plain, "
+        "logprobs, penalties, joined by +). A feature whose requests accept less costs speculation speed; a "
+        "request near 0 or 1 is often garbled or looping output.",
+        "percentunit",
+        [(f"histogram_quantile(0.5, {rate('ray_specdec_request_acceptance_rate_bucket', 'le, features')})",
+          "median {{features}}"),
+         (f"histogram_quantile(0.1, {rate('ray_specdec_request_acceptance_rate_bucket', 'le, features')})",
+          "p10 {{features}}")], width=24))
+
     d = d.with_row(dashboard.Row("Throughput"))
     d = d.with_panel(panel(
         "timeseries", "Tokens per second",

@@ -54,7 +54,8 @@ class DraftModelProposer:
         rows: list[torch.Tensor] = []
         for j in range(num_tokens):
             logits = self.runner.forward(cache, new_token_ids, num_logits=1)  # [1, vocab]
-            token, probs = choose(logits, sampling, len(context_token_ids) + j)
+            token, probs = choose(logits, sampling, len(context_token_ids) + j, prefix=_prefix(
+                sampling, context_token_ids, token_ids))
             if probs is not None:
                 rows.append(probs)
             token_ids.append(token)
@@ -104,7 +105,8 @@ class DraftModelProposer:
                 if logits[j] is None:
                     feed.append([])
                     continue
-                token, p = choose(logits[j], samplings[i], len(contexts[i]) + len(tokens[j]))
+                token, p = choose(logits[j], samplings[i], len(contexts[i]) + len(tokens[j]),
+                                  prefix=_prefix(samplings[i], contexts[i], tokens[j]))
                 if p is not None:
                     probs[j].append(p)
                 tokens[j].append(token)
@@ -123,3 +125,8 @@ class DraftModelProposer:
 
     def release(self, state: KVCache) -> None:
         state.rewind(0)
+
+
+def _prefix(sampling: SamplingParams, context: Sequence[int], proposed: list[int]) -> Sequence[int]:
+    """The tokens before the next proposal, for requests that process logits (penalties see them)."""
+    return [*context, *proposed] if sampling.processes_logits else ()

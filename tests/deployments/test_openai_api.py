@@ -63,8 +63,25 @@ def _builder_and_args():
     return getattr(importlib.import_module(module), name), dict(app["args"])
 
 
+#: The sampling defaults of the `defaults` app's model (its generation_config.json).
+MODEL_DEFAULTS = {"temperature": 0.6, "top_k": 10, "top_p": 0.9, "repetition_penalty": 1.3}
+
+
 @pytest.fixture(scope="module")
-def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama):
+def defaults_model(tmp_path_factory, tiny_chat_llama) -> Path:
+    """tiny_chat_llama whose generation_config.json carries its "authors'" sampling defaults."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("defaults") / "model"
+    shutil.copytree(tiny_chat_llama, path)
+    config = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() \
+        else {}
+    (path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, **MODEL_DEFAULTS}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama, defaults_model):
     from ray import serve
 
     port = free_port()
@@ -81,6 +98,8 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
     serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "threads": 1, "target_role": small,
                          "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
                          "request_timeout_s": 5}), name="strict", route_prefix="/strict")
+    serve.run(build_app({"target": str(defaults_model), "draft": "none", "threads": 1, "target_role": small,
+                         "served_model_name": "defaults"}), name="defaults", route_prefix="/defaults")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
     yield Service(base, client, str(tiny_chat_llama), str(tiny_chat_llama_draft))
@@ -240,6 +259,75 @@ def test_chat_completion_applies_the_chat_template(service, local):
     assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].model_extra["speculative"]["num_drafts"] > 0
 
 
+PROCESSED = {"presence_penalty": 0.6, "frequency_penalty": 0.3, "logit_bias": {"7": 3.0, "12": -100.0}}
+
+
+def _processed(**kwargs) -> SamplingParams:
+    return SamplingParams(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
+                          logit_bias={7: 3.0, 12: -100.0}, **kwargs)
+
+
+def test_chat_logprobs_and_penalties_equal_in_process(service, local):
+    """Greedy and seeded sampling with penalties, biases and log-probabilities: the openai client's
+    view (streamed and not) equals the in-process engine's, token for token and within 1e-4."""
+    messages = [{"role": "user", "content": "w5 w6 w7 w5 w6"}]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=3,
+                      extra_body={"repetition_penalty": 1.2, "ignore_eos": True}, **PROCESSED, **sampling)
+        out = service.client.chat.completions.create(**kwargs)
+        expected = local.generate(messages, chat=True, sampling=_processed(
+            max_tokens=24, logprobs=3, ignore_eos=True, **sampling))
+        assert out.choices[0].message.content == expected.text
+        got = out.choices[0].logprobs.content
+        assert [e.token for e in got] == [e.token for e in expected.logprobs]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+        for g, e in zip(got, expected.logprobs):
+            assert [t.token for t in g.top_logprobs] == list(e.top_tokens)
+            assert g.bytes == list(g.token.encode("utf-8"))
+        streamed = [entry for chunk in service.client.chat.completions.create(stream=True, **kwargs)
+                    for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in got]
+        plain = service.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                       extra_body={"ignore_eos": True}, **sampling)
+        assert plain.choices[0].logprobs is None and plain.choices[0].message.content != expected.text
+
+
+def test_completion_logprobs_in_openai_legacy_shape(service, local):
+    out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    expected = local.generate(PROMPT, sampling=SamplingParams(max_tokens=16, logprobs=2))
+    assert lp.tokens == [e.token for e in expected.logprobs] and len(lp.tokens) == out.usage.completion_tokens
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(len(top) <= 2 and max(top.values()) >= value - 1e-6 for top, value in zip(lp.top_logprobs,
+                                                                                          lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                    logprobs=2, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    zero = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs is None and len(zero.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_omitted_sampling_fields_take_the_models_generation_config(service, defaults_model):
+    """--generation-config auto (the default): what a request omits comes from the model's
+    generation_config.json; what it sends wins; /v1/models shows the defaults in effect."""
+    client = openai.OpenAI(base_url=f"{service.base}/defaults/v1", api_key="unused", max_retries=0, timeout=120)
+    card = client.models.list().data[0].model_extra["specdec"]["sampling_defaults"]
+    assert card["values"] == MODEL_DEFAULTS and card["source"].endswith("generation_config.json")
+    local = SpeculativeEngine.from_pretrained(str(defaults_model), draft="none")
+    out = client.completions.create(model="defaults", prompt=PROMPT, max_tokens=20, seed=4)
+    assert out.choices[0].text == local.generate(PROMPT, sampling=SamplingParams(max_tokens=20, seed=4,
+                                                                                  **MODEL_DEFAULTS)).text
+    greedy = client.completions.create(model="defaults", prompt=PROMPT, max_tokens=20, temperature=0,
+                                       extra_body={"repetition_penalty": 1.0})
+    assert greedy.choices[0].text == local.generate(PROMPT, sampling=SamplingParams(max_tokens=20)).text
+    penalized = client.completions.create(model="defaults", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert penalized.choices[0].text == local.generate(PROMPT, sampling=SamplingParams(
+        max_tokens=20, repetition_penalty=MODEL_DEFAULTS["repetition_penalty"])).text != greedy.choices[0].text
+
+
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(service, local):
     messages = [{"role": "user", "content": "w5 w6"}]
     out = service.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
@@ -331,10 +419,15 @@ BAD = [
     ({"prompt": PROMPT, "max_tokens": 600}, "max_tokens"),
     ({"prompt": [5, 6, 96]}, "prompt"),
     ({"prompt": PROMPT, "model": "gpt-4o"}, "model"),
-    ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ({"prompt": PROMPT, "logprobs": True}, "logprobs"),
     ({"prompt": PROMPT, "echo": True}, "echo"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": PROMPT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"w5": 10}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"96": 1}}, "logit_bias"),
     ({"prompt": PROMPT, "best_of": 3}, "best_of"),
     ({"prompt": PROMPT, "frobnicate": 1}, "frobnicate"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -365,6 +458,9 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "w5"}], "logprobs": 3}, "logprobs"),
 ]
 
 
@@ -377,7 +473,8 @@ def test_bad_chat_input_gets_a_400_naming_it(service, body, param):
 
 def test_off_values_of_unsupported_parameters_are_accepted(service):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": None,
-            "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1, "user": "someone"}
+            "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1, "user": "someone",
+            "logit_bias": None, "suffix": None}
     assert _post(service, "/v1/completions", body).status_code == 200
 
 

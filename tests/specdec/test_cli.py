@@ -55,6 +55,21 @@ def test_json_matches_python_api(tiny_llama, capsys):
     assert cli_out["token_ids"] == engine.generate("w1 w2 w3", sampling=SamplingParams(max_tokens=16)).token_ids
 
 
+def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
+    from specdec import SamplingParams, SpeculativeEngine
+
+    assert main(["generate", "--target", str(tiny_llama), "--draft", "ngram", "--max-tokens", "12", "--json",
+                 "--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--logit-bias", "7=3",
+                 "--logprobs", "2", "w1 w2 w3"]) == 0
+    cli_out = json.loads(capsys.readouterr().out)
+    engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft="ngram")
+    expected = engine.generate("w1 w2 w3", sampling=SamplingParams(
+        max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={7: 3.0}, logprobs=2))
+    assert cli_out["token_ids"] == expected.token_ids
+    assert [e["logprob"] for e in cli_out["logprobs"]] == pytest.approx([e.logprob for e in expected.logprobs])
+    assert all(len(e["top_logprobs"]) == 2 for e in cli_out["logprobs"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
@@ -65,6 +80,12 @@ def test_json_matches_python_api(tiny_llama, capsys):
     (["--max-tokens", "600"], "exceeds the model's context"),
     (["--chat"], "no chat template"),
     (["--draft-vocab", "0"], "draft vocabulary size"),
+    (["--presence-penalty", "3"], "presence_penalty"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
+    (["--logit-bias", "5"], "--logit-bias"),
+    (["--logit-bias", "5=200"], "logit_bias"),
+    (["--logit-bias", "500=1"], "logit_bias"),
+    (["--logprobs", "21"], "logprobs"),
 ])
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
     assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2

@@ -187,7 +187,7 @@ def test_unrenormalized_draft_q_is_detected(small_vocab_pair, monkeypatch):
     softmax (mass outside the kept set), must fail the same test."""
     kept_ids = {}
 
-    def leaky_choose(logits, sampling, position, purpose="draft"):
+    def leaky_choose(logits, sampling, position, purpose="draft", prefix=()):
         finite = torch.isfinite(logits)
         leaked = torch.where(finite, logits, logits[finite].min() + 2.0)  # the excluded tokens keep some mass
         q = specdec.sampling.logits_to_probs(leaked, sampling)[0]

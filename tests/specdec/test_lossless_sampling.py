@@ -160,7 +160,8 @@ BUGS = {
     "predraft_q_shifted": (specdec.scheduler, "pre_drafted_block", _shifted_block),
     "draft_verify_correlated": [(specdec.sampling, "uniform", _correlated_uniform),
                                 (specdec.verify, "uniform", _correlated_uniform)],
-    "topp_before_topk": (specdec.sampling, "warp_logits", _top_p_then_top_k),
+    "topp_before_topk": [(specdec.sampling, "warp_logits", _top_p_then_top_k),
+                         (specdec.verify, "warp_logits", _top_p_then_top_k)],
     "q_from_batch_neighbour": (DraftModelProposer, "propose_batch", _neighbours_q()),
     "noise_shared_across_positions": (specdec.sampling, "gumbel_noise", _noise_shared_across_positions),
 }
