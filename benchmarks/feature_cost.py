@@ -69,10 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                    "mean_k": round(statistics.mean(k for o in spec for k in o.k_history), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    info = engine.info if hasattr(engine, "info") else {}
     result = {"target": args.target, "draft": args.draft, "prompts": f"HumanEval[:{args.limit}]",
               "max_tokens": args.max_tokens, "cpu": cpu_info().as_dict(), "threads": torch.get_num_threads(),
-              "engine": {k: v for k, v in info.items() if isinstance(v, (str, int, float))},
               "python": platform.python_version(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if args.out:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specdec import SamplingParams, SpeculativeEngine
-from tests.specdec.test_lossless_sampling import pipelined
+from tests.specdec.test_lossless_sampling import as_unseeded, pipelined
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 11, 12, 11, 12], [40, 41, 42], [3, 1, 2, 3, 1, 2, 3, 1], [70, 5, 70, 5]]
 MAX_TOKENS = 40
@@ -161,10 +161,7 @@ def test_residual_seeded_text_does_not_depend_on_load(tiny_llama, tiny_llama_dra
 def test_residual_load_independence_control(tiny_llama, tiny_llama_draft, monkeypatch):
     """Negative control: with seeded residual rows treated like the others (auto-K over the batch's
     measured costs, K trimmed to the token budget), batching changes their text."""
-    import specdec.scheduler
-
-    monkeypatch.setattr(specdec.scheduler.Scheduler, "_pin", staticmethod(lambda sampling, seeded, policy:
-                                                                          (False, policy)))
+    as_unseeded(monkeypatch)
     roomy = _engine(tiny_llama, tiny_llama_draft, "model", num_speculative_tokens=4)
     tight = _engine(tiny_llama, tiny_llama_draft, "model", num_speculative_tokens=4, max_batch_tokens=8,
                     max_batch_size=5)
