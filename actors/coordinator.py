@@ -262,15 +262,18 @@ class Coordinator:
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
         """Stream one request's chunks (see `specdec.request.GenerationRequest`). Past its `timeout_s`
         the request raises `RequestTimeout` at its next step."""
-        ids, sampling = resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
-                                       request.sampling, self.info["vocab_size"], self.info["max_context"],
-                                       self.config.engine.target)
+        # In a thread: a structured-output request compiles its grammar here (the first one also builds
+        # the grammar engine's view of the vocabulary, seconds), off the actor's event loop.
+        ids, sampling = await asyncio.to_thread(
+            resolve_prompt, self.tokenizer, request.prompt, request.prompt_token_ids, request.chat, request.sampling,
+            self.info["vocab_size"], self.info["max_context"], self.config.engine.target,
+            self.info["eos_token_ids"], self.config.engine.trust_remote_code, request.tools)
         if request.pipeline is not None and self.draft is None:
             request.pipeline = False  # pipelining needs a draft in a process of its own
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
         out: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        record = self.metrics.arrived(request.request_id, request_features(sampling))
+        record = self.metrics.arrived(request.request_id, request_features(sampling, bool(request.tools)))
         if not self.scheduler.num_active:  # the health check's stall clock starts when work arrives
             self._last_progress = time.monotonic()
 

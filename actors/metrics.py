@@ -139,11 +139,16 @@ METRICS = {spec.name: spec for spec in (
 )}
 
 
-def request_features(sampling) -> str:
+def request_features(sampling, tools: bool = False) -> str:
     """The request features that change what speculation costs, as one label value: "plain", or the
-    ones in use joined by "+" (logprobs, penalties: any bias or penalty)."""
-    used = [name for name, on in (("logprobs", sampling.logprobs is not None),
-                                  ("penalties", sampling.processes_logits)) if on]
+    ones in use joined by "+" (logprobs; penalties: any bias or penalty; json_schema: JSON output;
+    grammar: a regex, choice or Lark grammar; tools: tool definitions in the prompt)."""
+    penalties = bool(sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0
+                     or sampling.logit_bias)
+    structured = sampling.structured.label if sampling.structured is not None else None
+    used = [name for name, on in (("logprobs", sampling.logprobs is not None), ("penalties", penalties),
+                                  ("json_schema", structured == "json_schema"), ("grammar", structured == "grammar"),
+                                  ("tools", tools)) if on]
     return "+".join(used) or "plain"
 
 _created: dict[str, object] = {}  # one Ray metric object per name in this process

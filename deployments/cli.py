@@ -56,6 +56,9 @@ def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
                    help="sampling defaults for fields a request omits: auto = the model's generation_config.json "
                         "(a preset's: its authors' values from the catalog); vllm or none = OpenAI's (temperature "
                         "1, top_p 1, no penalty); DIR = the generation_config.json there [default: auto]")
+    h.add_argument("--tool-call-parser", choices=("hermes", "none"), default="hermes",
+                   help="how the model writes tool calls (vLLM's names): hermes = <tool_call>{json}</tool_call> "
+                        "(Qwen2.5, Qwen3, Hermes); none = refuse requests with tools [default: hermes]")
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=8080, metavar="PORT",
                    help="the local Ray's metrics export port: Prometheus scrapes the engine's specdec_* metrics "
@@ -79,7 +82,8 @@ def options_from_args(args: argparse.Namespace):
                   served_model_name=args.served_model_name, max_ongoing_requests=args.max_ongoing_requests,
                   max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
                   max_n=args.max_n, api_key=args.api_key, trust_remote_code=args.trust_remote_code,
-                  allow_pickle_weights=args.allow_pickle_weights, generation_config=args.generation_config)
+                  allow_pickle_weights=args.allow_pickle_weights, generation_config=args.generation_config,
+                  tool_call_parser=args.tool_call_parser)
     try:
         options = ServeOptions(**fields)
         options.ray_engine_config()  # the core's and the actors' checks, before anything starts

@@ -73,6 +73,9 @@ class ServeOptions(BaseModel):
     generation_config: str = Field("auto", description="sampling defaults for fields a request omits: auto (the "
                                    "model's generation_config.json, a preset's from the catalog), vllm or none "
                                    "(OpenAI's), or a directory holding a generation_config.json")
+    tool_call_parser: Literal["hermes", "none"] = Field(
+        "hermes", description="how the model writes tool calls (vLLM's names): hermes = <tool_call>{json}</tool_call> "
+                              "(Qwen2.5, Qwen3, Hermes); none = refuse tools")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' [default: "
                                                         "$SPECDEC_API_KEY]")

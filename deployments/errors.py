@@ -112,11 +112,13 @@ def _dotted(loc) -> str:
     return out
 
 
-_BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function", "TextPart"}
+_BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("logit_bias", "logprobs", "max_tokens", "temperature", "top_p", "top_k", "prompt", "messages", "seed",
+    if message.startswith(("structured output", "cannot compile the")):
+        return "response_format"
+    for name in ("min_tokens", "stop_token_ids", "tools", "logit_bias", "logprobs", "max_tokens", "temperature", "top_p", "top_k", "prompt", "messages", "seed",
                  "stop"):
         if name in message:
             return name

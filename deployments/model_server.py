@@ -55,6 +55,10 @@ class ModelServer:
             async for chunk in stream:
                 yield chunk
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids -> text with the target's tokenizer (`echo` of a prompt given as ids)."""
+        return self.coordinator.tokenizer.decode(token_ids)
+
     def model_info(self) -> dict:
         """The engine's facts for /v1/models: context length, device, K policy, placement."""
         return {**self.options.describe(self.config), "max_context": self.info["max_context"],

@@ -37,8 +37,9 @@ from deployments.errors import APIError, error_body, error_from_exception, valid
 from deployments.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, Delta, ErrorResponse, ModelCard,
-    ModelList, SamplingRequest, Usage, chat_logprobs, completion_logprobs, new_id, now,
+    ModelList, SamplingRequest, ToolCallDelta, Usage, chat_logprobs, completion_logprobs, new_id, now,
 )
+from deployments.tool_calls import StreamParser, parse
 from specdec.sequence import GenerationOutput, StreamChunk
 from specdec.stats import SpeculativeStats
 
@@ -56,6 +57,9 @@ class Choice:
     stream: object  # ray.serve.handle.DeploymentResponseGenerator
     chunks: list[StreamChunk] = field(default_factory=list)
     text_offset: int = 0  # characters streamed so far (completions' logprobs.text_offset)
+    echo: str = ""  # the prompt text a completions choice with `echo` starts with
+    tools: StreamParser | None = None  # a chat choice whose output is parsed for tool calls
+    num_calls: int = 0  # tool calls streamed so far
 
     @property
     def output(self) -> GenerationOutput | None:
@@ -138,12 +142,16 @@ class OpenAIRouter:
             raise APIError(400, f"n × number of prompts is {len(prompts) * body.n}, above this server's limit of "
                                 f"{self.options.max_n}", param="n")
         defaults = await _until(deadline, self._sampling_defaults())
+        echoes = [""] * len(prompts)
+        if not chat and body.echo:
+            echoes = [p["prompt"] if "prompt" in p else await _until(deadline, self.model.detokenize.remote(
+                p["prompt_token_ids"])) for p in prompts]
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(body.n):
                 index = p * body.n + j
                 choices.append(Choice(index, p, self._open(f"{response_id}-{index}", body, index, prompt,
-                                                           deadline - time.monotonic(), defaults)))
+                                                           deadline - time.monotonic(), defaults), echo=echoes[p]))
         try:
             firsts = await _until(deadline, asyncio.gather(*[_next(c.stream) for c in choices]))
         except BaseException:
@@ -161,7 +169,14 @@ class OpenAIRouter:
             _cancel(choices)
         return self._response(body, choices, response_id, chat)
 
+    def _parses_tools(self, body) -> bool:
+        """The output is parsed for tool calls: tools went to the model, and this server has a parser."""
+        return getattr(body, "uses_tools", False) and self.options.tool_call_parser != "none"
+
     def _check(self, body: SamplingRequest) -> None:
+        if getattr(body, "uses_tools", False) and self.options.tool_call_parser == "none":
+            raise APIError(400, "tools: this server parses no tool calls (started with --tool-call-parser none)",
+                           param="tools")
         if body.model is not None and body.model != self.model_name:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
@@ -190,17 +205,21 @@ class OpenAIRouter:
         usage, merged = _usage(choices), _merged(outputs)
         top = bool(body.num_logprobs)
         if chat:
+            tools = self._parses_tools(body)
+            messages = [_message(o, tools) for o in outputs]
             return ChatCompletionResponse(
                 id=response_id, created=now(), model=self.model_name, usage=usage, speculative=merged,
-                choices=[ChatChoice(index=c.index, message=AssistantMessage(content=o.text),
+                choices=[ChatChoice(index=c.index, message=m,
                                     logprobs=chat_logprobs(o.logprobs) if o.logprobs is not None else None,
-                                    finish_reason=o.finish_reason, speculative=o.speculative.to_dict())
-                         for c, o in zip(choices, outputs)])
+                                    finish_reason="tool_calls" if m.tool_calls and o.finish_reason == "stop"
+                                    else o.finish_reason,
+                                    speculative=o.speculative.to_dict())
+                         for c, o, m in zip(choices, outputs, messages)])
         return CompletionResponse(
             id=response_id, created=now(), model=self.model_name, usage=usage, speculative=merged,
-            choices=[CompletionChoice(index=c.index, text=o.text, finish_reason=o.finish_reason,
-                                      logprobs=completion_logprobs(o.logprobs, top=top) if o.logprobs is not None
-                                      else None, speculative=o.speculative.to_dict())
+            choices=[CompletionChoice(index=c.index, text=c.echo + o.text, finish_reason=o.finish_reason,
+                                      logprobs=completion_logprobs((o.prompt_logprobs or []) + o.logprobs, top=top)
+                                      if o.logprobs is not None else None, speculative=o.speculative.to_dict())
                      for c, o in zip(choices, outputs)])
 
     async def _stream_events(self, body: SamplingRequest, choices: list[Choice], response_id: str, chat: bool,
@@ -208,20 +227,34 @@ class OpenAIRouter:
         """The chunks of every choice as they arrive, in OpenAI's chunk format; then usage."""
         created = now()
 
+        tools = chat and self._parses_tools(body)
+        for c in choices:
+            c.tools = StreamParser() if tools else None
+
         def chunk(c: Choice, piece: StreamChunk, first: bool) -> dict:
             spec = piece.output.speculative.to_dict() if piece.output is not None else None
             if chat:
-                delta = Delta(role="assistant" if first else None, content=piece.text)
-                choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=piece.finish_reason,
+                delta, finish_reason = Delta(role="assistant" if first else None, content=piece.text), piece.finish_reason
+                if c.tools is not None:
+                    delta.content, calls = c.tools.feed(piece.text)
+                    if piece.finish_reason is not None:
+                        delta.content += c.tools.finish()
+                        finish_reason = "tool_calls" if c.tools.calls and finish_reason == "stop" else finish_reason
+                    delta.tool_calls = [ToolCallDelta(index=c.num_calls + i, **call) for i, call in enumerate(calls)]
+                    c.num_calls += len(calls)
+                    delta.tool_calls = delta.tool_calls or None
+                choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason,
                                          logprobs=chat_logprobs(piece.logprobs) if piece.logprobs else None,
                                          speculative=spec)
                 return ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
                                            choices=[choice]).model_dump(exclude_none=True)
             logprobs = None
-            if piece.logprobs:
-                logprobs = completion_logprobs(piece.logprobs, c.text_offset, top=bool(body.num_logprobs))
-                c.text_offset += sum(len(e.token) for e in piece.logprobs)
-            choice = CompletionChoice(index=c.index, text=piece.text, finish_reason=piece.finish_reason,
+            entries = ((piece.prompt_logprobs or []) if first else []) + (piece.logprobs or [])
+            if entries:
+                logprobs = completion_logprobs(entries, c.text_offset, top=bool(body.num_logprobs))
+                c.text_offset += sum(len(e.token) for e in entries)
+            choice = CompletionChoice(index=c.index, text=(c.echo if first else "") + piece.text,
+                                      finish_reason=piece.finish_reason,
                                       logprobs=logprobs, speculative=spec)
             return CompletionResponse(id=response_id, created=created, model=self.model_name,
                                       choices=[choice]).model_dump(exclude_none=True)
@@ -421,6 +454,14 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
         return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
                         code="method_not_allowed").response()
     return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def _message(output: GenerationOutput, tools: bool) -> AssistantMessage:
+    """The assistant's message: its text, or with tools the text outside its calls and the calls."""
+    if not tools:
+        return AssistantMessage(content=output.text)
+    content, calls = parse(output.text)
+    return AssistantMessage(content=content, tool_calls=calls or None)
 
 
 def _prompts(body: SamplingRequest) -> list[dict]:

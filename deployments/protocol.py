@@ -5,8 +5,10 @@
 Field names and defaults follow OpenAI's API (temperature 1, top_p 1; completions max_tokens 16,
 chat until EOS or the end of the context), except that the fields a request omits may take the
 model's own defaults (`specdec.generation_defaults`, applied by `SamplingRequest.sampling`).
-Extensions, as vLLM has them: `top_k`, `repetition_penalty`, `ignore_eos`, and `speculative`
-({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool, "sampling": "invariant" | "residual"}).
+Extensions, as vLLM has them: `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `structured_outputs` ({"json" | "json_object" | "regex" | "choice" | "grammar": ...})
+and `speculative` ({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool, "sampling":
+"invariant" | "residual"}). `response_format` (json_object, json_schema) is OpenAI's.
 Log-probabilities come back in OpenAI's shapes (`chat_logprobs`, `completion_logprobs`).
 
 OpenAI parameters this server does not implement are rejected by name (400) unless they carry
@@ -16,23 +18,25 @@ any other unknown field is a 400 too. `user` is accepted and ignored.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 
+from specdec import structured_output
 from specdec.config import MAX_LOGPROBS, SAMPLING_MODES, SamplingParams
+from specdec.structured_output import Constraint
 
 # --------------------------------------------------------------------------- unsupported parameters
 
 #: OpenAI parameters we know and do not implement; each may only carry its "off" value.
-UNSUPPORTED = ("echo", "suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
-               "parallel_tool_calls", "response_format", "modalities", "audio", "prediction", "reasoning_effort",
-               "web_search_options")
+UNSUPPORTED = ("suffix", "best_of", "functions", "function_call", "modalities", "audio", "prediction",
+               "reasoning_effort", "web_search_options")
 _OFF = (None, False, 0, 0.0, "", [], {})
-_ALSO_OFF = {"best_of": (1,), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True,),
-             "response_format": ({"type": "text"},)}
+_ALSO_OFF = {"best_of": (1,)}
 
 
 def _off(name: str):
@@ -76,6 +80,52 @@ class SpeculativeOptions(StrictModel):
                           "rejection sampling, the most acceptance [default: the server's]")
 
 
+class JSONSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(..., alias="schema", description="the JSON schema the output must match")
+    strict: bool | None = Field(None, description="always enforced: the output is constrained to the schema")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """Extension (vLLM's `structured_outputs`): exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = Field(None, description="any JSON object")
+    regex: str | None = Field(None, description="a regular expression (Rust regex syntax) the whole output matches")
+    choice: list[str] | None = Field(None, description="the output is exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+
+    def constraint(self) -> Constraint:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar")
+        name = given[0]
+        if name == "json_":
+            return Constraint("json_schema", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+        if name == "json_object":
+            return Constraint("json_object")
+        if name == "choice":
+            return Constraint("choice", json.dumps(self.choice))
+        return Constraint(name, getattr(self, name))
+
+
 class SamplingRequest(StrictModel):
     """The fields shared by completions and chat completions."""
 
@@ -101,6 +151,14 @@ class SamplingRequest(StrictModel):
                                              "and multiplies negative logits of tokens in the prompt or output")
     logit_bias: dict[str, Float] | None = Field(None, description="token id (as a string) -> a bias in [-100, 100] "
                                                                   "added to its logit")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the output is "
+                                                   "constrained to JSON (to the schema), at every verified position")
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension (vLLM): constrain the output "
+                                                         "to a JSON schema, a regex, a choice or a Lark grammar")
+    min_tokens: Int = Field(0, ge=0, description="extension: no end-of-sequence (nor stop_token_ids) before this "
+                                                  "many tokens")
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
+        None, max_length=64, description="extension: token ids that end the output (kept in it, as EOS is)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -116,7 +174,29 @@ class SamplingRequest(StrictModel):
             raise ValueError(f"stop: each stop string must be at most {MAX_STOP_CHARS} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
+        if self.effective_max_tokens is not None and self.min_tokens > self.effective_max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens ({self.effective_max_tokens})")
+        constraint = self.constraint()
+        if constraint is not None:
+            try:
+                structured_output.validate(constraint)
+            except ValueError as e:
+                name = "structured_outputs" if self.structured_outputs is not None else "response_format"
+                raise ValueError(f"{name}: {e}") from None
         return self
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint this request asks for (`response_format` or `structured_outputs`)."""
+        formats = self.response_format is not None and self.response_format.type != "text"
+        if formats and self.structured_outputs is not None:
+            raise ValueError("response_format: give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if not formats:
+            return None
+        if self.response_format.type == "json_object":
+            return Constraint("json_object")
+        return Constraint("json_schema", json.dumps(self.response_format.json_schema.schema_))
 
     def sampling(self, index: int = 0, defaults: dict | None = None) -> SamplingParams:
         """The core's parameters for choice `index` (its seed is seed + index). `defaults`: the model's
@@ -140,7 +220,8 @@ class SamplingRequest(StrictModel):
                               repetition_penalty=float(value("repetition_penalty", 1.0 if self.repetition_penalty
                                                              is None else self.repetition_penalty)),
                               logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
-                              logprobs=self.num_logprobs)
+                              logprobs=self.num_logprobs, structured=self.constraint(), min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids or ()))
 
     @property
     def effective_max_tokens_given(self) -> bool:
@@ -171,13 +252,19 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Int | None = Field(16, ge=1)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the log-probability of each token and of "
                                  "this many most likely alternatives (the target's, after penalties and warping)")
-    echo: _off("echo") = None
+    echo: bool | None = Field(False, description="the prompt before the completion in each choice's text (and, "
+                              "with logprobs, the prompt tokens' log-probabilities: the target's raw ones, the first "
+                              "token's null)")
     suffix: _off("suffix") = None
     best_of: _off("best_of") = None
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling(self, index: int = 0, defaults: dict | None = None) -> SamplingParams:
+        sampling = super().sampling(index, defaults)
+        return sampling.replace(prompt_logprobs=self.logprobs) if self.echo and self.logprobs is not None else sampling
 
     def prompts(self) -> list[dict]:
         """One entry per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""
@@ -196,12 +283,46 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str = Field(..., description="the arguments as a JSON object, in a string")
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="always enforced when the call is required or named")
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -216,12 +337,13 @@ class ChatCompletionRequest(SamplingRequest):
                                                       "after penalties and warping)")
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most likely "
                                                                               "alternatives per token")
-    tools: _off("tools") = None
-    tool_choice: _off("tool_choice") = None
+    tools: list[Tool] | None = Field(None, max_length=128, description="functions the model may call; rendered by "
+                                     "its chat template, its calls parsed into tool_calls")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools), none, required, or a named function (both enforced by a grammar)")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call [default true]")
     functions: _off("functions") = None
     function_call: _off("function_call") = None
-    parallel_tool_calls: _off("parallel_tool_calls") = None
-    response_format: _off("response_format") = None
     modalities: _off("modalities") = None
     audio: _off("audio") = None
     prediction: _off("prediction") = None
@@ -246,12 +368,72 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools have the same name")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r}")
+        if self.forced_tools and (self.response_format is not None and self.response_format.type != "text"
+                                  or self.structured_outputs is not None):
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format or "
+                             "structured_outputs")
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise ValueError(f"messages[{i}].tool_calls: only an assistant message has tool calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ValueError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers")
+            for call in m.tool_calls or []:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"messages[{i}].tool_calls: arguments must be a JSON object in a string")
         return self
 
+    @property
+    def uses_tools(self) -> bool:
+        """Tools go to the model (and its output is parsed for calls): tools given and tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call must be to, when the choice is required or named; else None."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
+
+    def constraint(self) -> Constraint | None:
+        forced = self.forced_tools
+        if forced:
+            from deployments.tool_calls import required_constraint
+
+            named = isinstance(self.tool_choice, NamedToolChoice)
+            return required_constraint(forced, parallel=not named and self.parallel_tool_calls is not False)
+        return super().constraint()
+
     def prompts(self) -> list[dict]:
-        # "developer" is OpenAI's newer name for the system role.
-        return [{"prompt": [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                            for m in self.messages], "chat": True}]
+        # "developer" is OpenAI's newer name for the system role. Tool-call arguments go to the chat
+        # template as objects (templates write them with `tojson`), as vLLM passes them.
+        messages = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role,
+                       "content": m.text() if m.content is not None or not m.tool_calls else None}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.role == "tool" and m.name:
+                message["name"] = m.name
+            messages.append(message)
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.uses_tools else None
+        return [{"prompt": messages, "chat": True, **({"tools": tools} if tools else {})}]
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -266,8 +448,8 @@ class CompletionLogprobs(BaseModel):
     """OpenAI's legacy shape: parallel lists over the choice's tokens."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -306,14 +488,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     speculative: dict | None = None
 
 
@@ -327,16 +510,24 @@ class ChatCompletionResponse(BaseModel):
     speculative: dict | None = None
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     speculative: dict | None = None
 
 
@@ -394,10 +585,12 @@ def completion_logprobs(entries, offset: int = 0, top: bool = True) -> Completio
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
+    first = [math.isnan(e.logprob) for e in entries]  # an echoed prompt's first token has no log-probability
     return CompletionLogprobs(
-        tokens=[e.token for e in entries], token_logprobs=[max(e.logprob, LOGPROB_FLOOR) for e in entries],
-        top_logprobs=[{t: max(v, LOGPROB_FLOOR) for t, (_, v) in zip(e.top_tokens, e.top)} for e in entries]
-        if top else None, text_offset=offsets)
+        tokens=[e.token for e in entries],
+        token_logprobs=[None if f else max(e.logprob, LOGPROB_FLOOR) for e, f in zip(entries, first)],
+        top_logprobs=[None if f else {t: max(v, LOGPROB_FLOOR) for t, (_, v) in zip(e.top_tokens, e.top)}
+                      for e, f in zip(entries, first)] if top else None, text_offset=offsets)
 
 
 def new_id(prefix: str) -> str:

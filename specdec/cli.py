@@ -115,6 +115,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="add BIAS in [-100, 100] to token ID's logit; repeatable")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability and its N most likely alternatives (0-20)")
+    g.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no EOS before N tokens [default: 0]")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", dest="stop_token_ids",
+                   help="this token id ends the output (kept in it); repeatable")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE|JSON", help="constrain the output to this JSON schema (a file, "
+                   "or the schema itself)")
+    s.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    s.add_argument("--regex", help="constrain the output to match this regular expression (Rust syntax)")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable")
+    s.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,7 +218,41 @@ def sampling_from_args(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         logit_bias=_logit_bias(args.logit_bias),
         logprobs=args.logprobs,
+        min_tokens=args.min_tokens,
+        stop_token_ids=tuple(args.stop_token_ids),
+        structured=_constraint(args),
     )
+
+
+def _constraint(args: argparse.Namespace):
+    """The structured-output flags -> a checked `Constraint` (or None). Raises ValueError naming the flag."""
+    import json
+    from pathlib import Path
+
+    from specdec.structured_output import Constraint, validate
+
+    if args.json_schema is not None:
+        path = Path(args.json_schema).expanduser()
+        text = path.read_text() if not args.json_schema.lstrip().startswith("{") and path.is_file() else args.json_schema
+        flag, constraint = "--json-schema", Constraint("json_schema", text)
+    elif args.json_object:
+        flag, constraint = "--json-object", Constraint("json_object")
+    elif args.regex is not None:
+        flag, constraint = "--regex", Constraint("regex", args.regex)
+    elif args.choice:
+        flag, constraint = "--choice", Constraint("choice", json.dumps(args.choice))
+    elif args.grammar is not None:
+        path = Path(args.grammar).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--grammar: no such file {args.grammar!r}")
+        flag, constraint = "--grammar", Constraint("grammar", path.read_text())
+    else:
+        return None
+    try:
+        validate(constraint)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return constraint
 
 
 def _logit_bias(pairs: list[str]) -> dict[int, float]:

@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from specdec.structured_output import Constraint
+
 #: Temperatures below this sample greedily, as vLLM does: dividing logits by a smaller one overflows
 #: float32 (every probability becomes NaN), and the limit of T -> 0 is the argmax anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -56,8 +58,22 @@ class SamplingParams:
     # Log-probabilities of each emitted token from the target's verify pass, after the processing
     # and warping above: None (off), or how many of the most likely alternatives to list (0-20).
     logprobs: int | None = None
-    # Set by the engine at admission: where the prompt ends (output-only penalties count after it).
+    # Log-probabilities of the prompt's tokens (vLLM's `prompt_logprobs`): the target's raw
+    # log-softmax at each prompt position from the prefill (no penalties or warping: those shape the
+    # output, not the prompt); the first token has none (NaN). None (off), or alternatives to list.
+    prompt_logprobs: int | None = None
+    # What the output must match (`structured_output.py`): a JSON schema, any JSON object, a regex,
+    # a Lark grammar or a choice of strings; its mask applies to the target and the draft alike.
+    structured: Constraint | None = None
+    # No end-of-sequence token (nor `stop_token_ids`) before this many output tokens (HF's
+    # MinNewTokensLengthLogitsProcessor: those tokens' logits are -inf).
+    min_tokens: int = 0
+    # More token ids that end the output (kept in it, as EOS is; OpenAI/vLLM's `stop_token_ids`).
+    stop_token_ids: tuple[int, ...] = ()
+    # Set by the engine at admission: where the prompt ends (output-only penalties count after it),
+    # and the model's end-of-sequence ids (`min_tokens` holds them back).
     prompt_length: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -97,10 +113,25 @@ class SamplingParams:
         if len({pair[0] for pair in self.logit_bias}) < len(self.logit_bias):
             raise ValueError("logit_bias: a token id appears twice")
         object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {token!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured is not None and not isinstance(self.structured, Constraint):
+            raise ValueError(f"structured must be a structured_output.Constraint, got {type(self.structured).__name__}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or None, "
                              f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
         if self.speculative_sampling is not None and self.speculative_sampling not in SAMPLING_MODES:
             raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
                              f"got {self.speculative_sampling!r}")
@@ -113,7 +144,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether anything is done to the logits before warping (`logits_processing.py`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.structured is not None or self.min_tokens)
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

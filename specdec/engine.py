@@ -177,7 +177,8 @@ class SpeculativeEngine:
     def _resolve(self, request: GenerationRequest):
         return resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
                               request.sampling, self.target.vocab_size, self.target.max_context,
-                              self.target_model.spec)
+                              self.target_model.spec, self.target_model.eos_token_ids,
+                              self.config.trust_remote_code, request.tools)
 
     def _submit(self, request: GenerationRequest, ids: list[int], sampling: SamplingParams):
         out: queue.SimpleQueue = queue.SimpleQueue()

@@ -11,7 +11,11 @@ In Hugging Face `generate()`'s order (its own processors, then custom ones, then
 2. `repetition_penalty` over prompt and output (HF's `RepetitionPenaltyLogitsProcessor`, its code:
    a positive logit is divided by the penalty, a negative one multiplied);
 3. `frequency_penalty` and `presence_penalty` over the output only (OpenAI's formula, as vLLM:
-   logit -= frequency * count + presence * [count > 0]).
+   logit -= frequency * count + presence * [count > 0]);
+4. `min_tokens`: end-of-sequence and `stop_token_ids` at -inf while the output is shorter (HF's
+   `MinNewTokensLengthLogitsProcessor`);
+5. structured output: every token the request's grammar forbids after the output so far at -inf
+   (`structured_output.py`; last, as a custom processor runs after HF's own).
 Then temperature, top-k and top-p (`sampling.warp_logits`).
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec import structured_output
 from specdec.config import SamplingParams
 
 
@@ -47,4 +52,9 @@ def process(logits: torch.Tensor, sampling: SamplingParams, prefix: Sequence[int
         keep = ids < vocab
         ids, counts = ids[keep].to(scores.device), counts[keep].to(scores.device, scores.dtype)
         scores[0, ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+    if len(output) < sampling.min_tokens:
+        ends = [i for i in {*sampling.eos_token_ids, *sampling.stop_token_ids} if i < vocab]
+        scores[0, ends] = -float("inf")
+    if sampling.structured is not None:
+        scores = structured_output.apply(scores, sampling.structured, output)
     return scores

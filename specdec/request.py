@@ -13,7 +13,7 @@ from specdec.prompt import Prompt
 @dataclass
 class GenerationRequest:
     """What to generate and how. `prompt` is text, or with `chat` a list of {"role", "content"}
-    messages; or pass `prompt_token_ids`. `num_speculative_tokens` (an int, "auto", or 0 for
+    messages (and `tools` for the chat template); or pass `prompt_token_ids`. `num_speculative_tokens` (an int, "auto", or 0 for
     target-only) and `pipeline` override the engine's settings for this request; past `timeout_s`
     the request stops at its next step with `RequestTimeout`."""
 
@@ -25,6 +25,7 @@ class GenerationRequest:
     num_speculative_tokens: int | str | None = None
     pipeline: bool | None = None
     timeout_s: float | None = None
+    tools: list[dict] | None = None  # OpenAI function definitions, rendered by the chat template
 
     def __post_init__(self) -> None:
         if self.sampling is None:

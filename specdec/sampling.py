@@ -53,14 +53,16 @@ _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
 
-def resolve(sampling: SamplingParams, default_mode: str, prompt_length: int = 0) -> SamplingParams:
-    """A request's parameters as the engine runs them: where its prompt ends and, sampled, a seed
-    (fresh entropy when it has none) and its sampling mode (the engine's default when it named none)."""
+def resolve(sampling: SamplingParams, default_mode: str, prompt_length: int = 0,
+            eos_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """A request's parameters as the engine runs them: where its prompt ends, the model's
+    end-of-sequence ids and, sampled, a seed (fresh entropy when it has none) and its sampling mode
+    (the engine's default when it named none)."""
+    sampling = sampling.replace(prompt_length=prompt_length, eos_token_ids=tuple(sorted(eos_token_ids)))
     if sampling.greedy:
-        return sampling.replace(prompt_length=prompt_length)
+        return sampling
     return sampling.replace(seed=sampling.seed if sampling.seed is not None else secrets.randbits(63),
-                            speculative_sampling=sampling.speculative_sampling or default_mode,
-                            prompt_length=prompt_length)
+                            speculative_sampling=sampling.speculative_sampling or default_mode)
 
 
 def counter_key(seed: int, purpose: str, position: int) -> int:

@@ -131,7 +131,7 @@ class Scheduler:
         eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
         seeded = sampling.seed is not None
         # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
-        sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids))
+        sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids), eos)
         pinned, policy = self._pin(sampling, seeded, policy)
         pipeline = pipeline and not pinned
         seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
@@ -221,7 +221,10 @@ class Scheduler:
         for item in list(self.prefilling):
             end = min(item.prefill_target, item.prefilled + budget)
             if end > item.prefilled:
-                rows.append(TargetRow(item.request_id, item.seq.token_ids[item.prefilled:end], 1, item.prefilled, True))
+                # Prompt log-probabilities need every position's logits; otherwise the last one's argmax.
+                every = item.seq.sampling.prompt_logprobs is not None
+                rows.append(TargetRow(item.request_id, item.seq.token_ids[item.prefilled:end],
+                                      end - item.prefilled if every else 1, item.prefilled, not every))
                 items.append((item, end))
                 budget -= end - item.prefilled
             elif item.prefilled >= item.prefill_target:
@@ -242,6 +245,10 @@ class Scheduler:
                 if isinstance(result, Exception):
                     self._finish(item, result)
                     continue
+                top = item.seq.sampling.prompt_logprobs
+                if top is not None:  # position j predicts prompt token j + 1
+                    item.seq.add_prompt_logprobs([verify.token_logprob(result[j], token, top) for j, token in
+                                                  enumerate(item.seq.token_ids[item.prefilled + 1:end + 1])])
             item.prefilled = end
             if item.prefilled >= item.prefill_target:
                 item.seq.prefill_seconds = time.perf_counter() - item.seq.started
@@ -400,11 +407,15 @@ class Scheduler:
                 self._finish(item, out)
                 continue
             sampling = item.seq.sampling
-            if _argmax_only(sampling):  # a remote target returns the argmax ids
-                step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
-            else:
-                step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, sampling,
-                                                         len(item.seq.token_ids), item.seq.token_ids)
+            try:
+                if _argmax_only(sampling):  # a remote target returns the argmax ids
+                    step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
+                else:
+                    step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, sampling,
+                                                             len(item.seq.token_ids), item.seq.token_ids)
+            except Exception as e:  # noqa: BLE001 - this request's processing failed; the batch goes on
+                self._finish(item, e)
+                continue
             step.keep.append(i)
         return True
 

@@ -28,6 +28,9 @@ class StreamChunk:
     output: "GenerationOutput | None" = None
     num_proposed: int = 0  # draft tokens this step verified (K of the step)
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
+    # On the first chunk of a request that asked for `prompt_logprobs`: one per prompt token (the
+    # first one's logprob is NaN: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
     cache_lengths: list[int] | None = None  # target cache length per shard after the step's rewind (Ray engine)
 
 
@@ -43,6 +46,7 @@ class GenerationOutput:
     decode_seconds: float = 0.0
     k_history: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # [completion_tokens] when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # [prompt_tokens] with `prompt_logprobs` (first: NaN)
 
     @property
     def tokens_per_second(self) -> float:
@@ -89,12 +93,18 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
-        self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
+        # Token ids that end the output (and are kept in it): EOS unless ignored, and the request's own.
+        self.eos_token_ids = (frozenset() if sampling.ignore_eos else eos_token_ids) | set(sampling.stop_token_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids, sampling.stop)
         self.stats = SpeculativeStats()
         self.finish_reason: str | None = None
         self.k_history: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        if sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+            self.add_prompt_logprobs([TokenLogprob(float("nan"))])
+        self._prompt_logprobs_sent = False
         self.started = time.perf_counter()
         self.prefill_seconds = 0.0
 
@@ -129,6 +139,14 @@ class Sequence:
         self.stats.draft_seconds += draft_seconds
         self.stats.target_seconds += target_seconds
 
+    def add_prompt_logprobs(self, entries: Seq[TokenLogprob]) -> None:
+        """The next prompt tokens' log-probabilities (from a prefill chunk), their texts filled in."""
+        start = len(self.prompt_logprobs)
+        decode = self.detokenizer.token_text
+        self.prompt_logprobs.extend(
+            dataclasses.replace(lp, token=decode(token), top_tokens=tuple(decode(t) for t, _ in lp.top))
+            for token, lp in zip(self.token_ids[start:self.num_prompt_tokens], entries))
+
     def commit(self, token_ids: Seq[int], logprobs: Seq[TokenLogprob] | None = None) -> StreamChunk:
         """Append verified tokens one by one until a stopping rule fires; return what was added (with
         the log-probabilities of the tokens kept, when given)."""
@@ -156,7 +174,10 @@ class Sequence:
             kept = [dataclasses.replace(lp, token=decode(token), top_tokens=tuple(decode(t) for t, _ in lp.top))
                     for token, lp in zip(added, logprobs)]
             self.logprobs.extend(kept)
-        return StreamChunk(added, "".join(text), self.finish_reason, logprobs=kept)
+        chunk = StreamChunk(added, "".join(text), self.finish_reason, logprobs=kept)
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            chunk.prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
+        return chunk
 
     def output(self) -> GenerationOutput:
         decode = time.perf_counter() - self.started - self.prefill_seconds
@@ -171,4 +192,5 @@ class Sequence:
             decode_seconds=decode,
             k_history=self.k_history,
             logprobs=self.logprobs if self.sampling.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
         )

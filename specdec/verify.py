@@ -162,13 +162,15 @@ class RowScores:
 
     def logprobs(self, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
         """Log-probabilities of the emitted `token_ids` (one per position from 0) and `top` alternatives."""
-        out = []
-        for j, token in enumerate(token_ids):
-            logprobs = torch.log_softmax(self(j).float(), dim=-1)
-            best = logprobs.topk(top) if top else None
-            out.append(TokenLogprob(float(logprobs[int(token)]), tuple(zip(best.indices.tolist(), best.values.tolist()))
-                                    if best is not None else ()))
-        return out
+        return [token_logprob(self(j), token, top) for j, token in enumerate(token_ids)]
+
+
+def token_logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under one position's `[vocab]` scores, and the `top` most likely."""
+    logprobs = torch.log_softmax(scores.float(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    return TokenLogprob(float(logprobs[int(token)]), tuple(zip(best.indices.tolist(), best.values.tolist()))
+                        if best is not None else ())
 
 
 def verify_invariant(

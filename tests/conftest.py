@@ -98,6 +98,29 @@ def small_vocab_pair(tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def bpe_tokenizer(smollm2_gguf):
+    """SmolLM2's byte-level BPE tokenizer (49,152 tokens, a chat template): text and JSON tokenize as a
+    real model's do (structured output, tool calls, UTF-8 hold-back)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_pair(tmp_path_factory, bpe_tokenizer):
+    """A tiny random target and a perturbed draft over SmolLM2's tokenizer (ChatML, like Qwen's), with
+    Qwen2.5's own chat template, which renders tools (tests/data/qwen2.5-chat-template.jinja)."""
+    eos = bpe_tokenizer.eos_token_id
+    template = (Path(__file__).parent / "data" / "qwen2.5-chat-template.jinja").read_text()
+    target = make_model(tmp_path_factory.mktemp("bpe-target"), "llama", vocab_size=len(bpe_tokenizer), seed=21,
+                        tokenizer=bpe_tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, eos_token_id=eos,
+                        context=1024, chat_template=template)
+    draft = make_model(tmp_path_factory.mktemp("bpe-draft"), perturb_from=target, noise=0.3, seed=22,
+                       tokenizer=bpe_tokenizer, chat_template=template)
+    return target, draft
+
+
 @pytest.fixture
 def trust_any_machine(monkeypatch):
     """Calibration caches whatever it measures: for tests of what happens to a cached decision, on

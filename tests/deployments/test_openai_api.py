@@ -421,7 +421,7 @@ BAD = [
     ({"prompt": PROMPT, "model": "gpt-4o"}, "model"),
     ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ({"prompt": PROMPT, "logprobs": True}, "logprobs"),
-    ({"prompt": PROMPT, "echo": True}, "echo"),
+    ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
     ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
@@ -451,12 +451,15 @@ def test_bad_completion_input_gets_a_400_naming_it(service, body, param):
 
 CHAT_BAD = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "w5"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "w5"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    # The tiny models' word-level tokenizer is one the grammar engine cannot read.
     ({"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}},
      "response_format"),
+    ({"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
     ({"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -588,3 +591,25 @@ def test_finish_reasons_count_timeouts_disconnects_and_completions(service):
     delta = lambda after, before: {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}  # noqa: E731
     assert delta(long_after, long_before) == {"timeout": 1}
     assert delta(tiny_after, tiny_before) == {"cancelled": 1, "length": 1}
+
+
+def test_echo_with_prompt_logprobs(service, local):
+    """`echo`: the prompt before the completion; with logprobs, the prompt tokens' log-probabilities
+    (the target's, from the prefill; the first null) then the completion's; streamed the same."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    out = service.client.completions.create(**body).choices[0]
+    expected = local.generate(PROMPT, sampling=SamplingParams(max_tokens=5, logprobs=2, prompt_logprobs=2))
+    assert out.text == PROMPT + expected.text
+    lp = out.logprobs
+    assert len(lp.tokens) == expected.prompt_tokens + expected.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]] +
+                                                  [e.logprob for e in expected.logprobs], abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = list(service.client.completions.create(stream=True, **body))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.text
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    ids = local.tokenize(PROMPT)
+    plain = service.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(local.tokenizer.decode(ids)) and plain.choices[0].logprobs is None

@@ -86,6 +86,11 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
     (["--logit-bias", "5=200"], "logit_bias"),
     (["--logit-bias", "500=1"], "logit_bias"),
     (["--logprobs", "21"], "logprobs"),
+    (["--regex", "(unclosed"], "--regex"),
+    (["--json-schema", '{"type": "objekt"}'], "--json-schema"),
+    (["--grammar", "/no/such/file.lark"], "--grammar"),
+    (["--json-object"], "structured output is not available"),  # a word-level tokenizer
+    (["--min-tokens", "300"], "min_tokens"),
 ])
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
     assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
@@ -148,3 +153,20 @@ def test_seeded_sampling_from_the_command_line_is_the_target_only_text(tiny_llam
     with pytest.raises(SystemExit) as e:
         main([*base, "--speculative-sampling", "exact"])
     assert e.value.code == 2 and "--speculative-sampling" in capsys.readouterr().err
+
+
+def test_generate_with_a_json_schema_and_a_choice(tiny_bpe_pair, capsys):
+    from specdec import SamplingParams, SpeculativeEngine
+    from specdec.structured_output import Constraint
+
+    target, draft = tiny_bpe_pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--max-tokens", "40", "--json",
+                 "--json-schema", json.dumps(schema), "Give n:"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith('{"n": ')
+    engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft))
+    assert out["token_ids"] == engine.generate("Give n:", sampling=SamplingParams(
+        max_tokens=40, structured=Constraint("json_schema", json.dumps(schema)))).token_ids
+    assert main(["generate", "--target", str(target), "--json", "--choice", "yes", "--choice", "no", "Ok?"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")

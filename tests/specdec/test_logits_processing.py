@@ -163,3 +163,25 @@ def test_penalized_sampling_follows_the_processed_target(small_vocab_pair, monke
         assert pvalue < 1e-3, "the negative control was not detected"
     else:
         assert pvalue > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [None, 3], ids=["one-prefill", "chunked-prefill"])
+def test_prompt_logprobs_equal_a_teacher_forced_hf_forward(tiny_llama, tiny_llama_draft, hf_target, chunk):
+    """Every prompt token's log-probability (and top 4) from the prefill equals HF's raw log-softmax at
+    the position before it, also when the prompt is prefilled in chunks; the first token has none."""
+    extra = {"max_batch_tokens": chunk, "max_batch_size": chunk} if chunk else {}
+    engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4,
+                                               **extra)
+    prompt = PROMPTS[3] + PROMPTS[0]
+    out = engine.generate(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4, prompt_logprobs=4,
+                                                                         repetition_penalty=1.5))
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_target(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0].logprob != out.prompt_logprobs[0].logprob  # NaN: nothing predicts it
+    for j, (token, entry) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:])):
+        assert entry.logprob == pytest.approx(float(reference[j, token]), abs=1e-4)
+        top = reference[j].topk(4)
+        assert [i for i, _ in entry.top] == top.indices.tolist()
+        assert entry.token == engine.tokenizer.decode([token])
+    assert engine.generate(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4)).prompt_logprobs is None
