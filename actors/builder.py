@@ -100,9 +100,6 @@ class RayEngine:
         """The draft worker's and the shards' actor handles (for inspection and failure drills)."""
         return ray.get(self.coordinator.handles.remote())
 
-    def cache_lengths(self, request_id: str) -> list:
-        return ray.get(self.coordinator.cache_lengths.remote(request_id))
-
     def shutdown(self) -> None:
         """Stop every actor and give back the shards' placement group."""
         try:

@@ -50,6 +50,7 @@ from specdec.kernels import VERIFY_TOKENS
 from specdec.models import check_same_vocabulary, load_tokenizer
 from specdec.presets import short_name
 from specdec.prompt import resolve_prompt
+from specdec.proposers import NON_MODEL_DRAFTS
 from specdec.request import GenerationRequest, RequestTimeout
 from specdec.scheduler import Cancelled, Scheduler, received
 from specdec.sequence import StreamChunk
@@ -93,13 +94,13 @@ class Coordinator:
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair, start the shard group and the draft worker, then the scheduler."""
-        from specdec.cli import quiet_libraries
+        from specdec.config import quiet_libraries
 
         quiet_libraries()
         self._gauges = asyncio.create_task(self._refresh_gauges())
         engine = self.config.engine
         self.tokenizer = load_tokenizer(engine.target, engine.trust_remote_code)
-        if engine.draft not in ("ngram", "none"):
+        if engine.draft not in NON_MODEL_DRAFTS:
             check_same_vocabulary(self.tokenizer, load_tokenizer(engine.draft, engine.trust_remote_code),
                                   engine.target, engine.draft)
         separate = engine.draft != "none" and not self.config.colocated
@@ -188,9 +189,6 @@ class Coordinator:
     def batch_sizes(self) -> dict[int, int]:
         """Steps run so far at each batch size (benchmarks and tests)."""
         return dict(self.scheduler.batch_sizes) if self.scheduler else {}
-
-    async def cache_lengths(self, request_id: str) -> list:
-        return await asyncio.gather(*[s.cache_length.remote(request_id) for s in self.group.shards])
 
     async def check_health(self, stall_s: float | None = None, timeout_s: float = 10.0) -> str:
         """Raise if an actor is gone or the engine is stuck; else say how it is: "idle", "busy" or
@@ -350,25 +348,25 @@ class _RemoteTarget:
     """The scheduler's target calls, sent to every shard (rank 0 answers)."""
 
     def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+        self.coordinator = coordinator
 
     def submit_forward(self, rows):
-        refs = [s.forward.remote(rows) for s in self.c._shards()]
-        return lambda: self.c._gather(refs)[0]
+        refs = [s.forward.remote(rows) for s in self.coordinator._shards()]
+        return lambda: self.coordinator._gather(refs)[0]
 
     def rewind(self, rows):
-        per_shard = self.c._gather([s.rewind.remote(rows) for s in self.c._shards()])
+        per_shard = self.coordinator._gather([s.rewind.remote(rows) for s in self.coordinator._shards()])
         per_row = [list(lengths) for lengths in zip(*per_shard)]
         for (request_id, length), lengths in zip(rows, per_row):
             if any(n != length for n in lengths):
-                self.c._rebuild(f"cache lengths {lengths} after rewinding {request_id} to {length}")
+                self.coordinator._rebuild(f"cache lengths {lengths} after rewinding {request_id} to {length}")
                 raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
                                        f"length {length}; the shard group was rebuilt")
         return per_row
 
     def release(self, request_ids):
-        if self.c.group is not None:
-            for s in self.c.group.shards:
+        if self.coordinator.group is not None:
+            for s in self.coordinator.group.shards:
                 s.release.remote(request_ids)
 
 
@@ -376,20 +374,20 @@ class _RemoteDraft:
     """The scheduler's draft calls: the separate draft worker, or the rank-0 shard (colocated)."""
 
     def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+        self.coordinator = coordinator
         self.capabilities = DraftCapabilities(
             concurrent=coordinator.draft is not None,  # its own process: pre-drafting overlaps the verify
             pipeline=coordinator.config.pipeline,
             per_token=coordinator.config.engine.draft != "ngram")
 
     def submit_propose(self, rows):
-        actor = self.c.draft if self.c.draft is not None else self.c._shards()[0]
+        actor = self.coordinator.draft if self.coordinator.draft is not None else self.coordinator._shards()[0]
         ref = actor.propose.remote(rows)
         return lambda: ray.get(ref)
 
     def release(self, request_ids):
-        if self.c.draft is not None:
-            self.c.draft.release.remote(request_ids)
+        if self.coordinator.draft is not None:
+            self.coordinator.draft.release.remote(request_ids)
 
 
 def _observe(record, kind: str, data) -> None:

@@ -156,9 +156,6 @@ class TargetShard:
         """Rewind each (request id, length); this shard's cache length of each after it."""
         return self.pool.rewind(rows)
 
-    def cache_length(self, request_id: str) -> int | None:
-        return self.pool.length(request_id)
-
     def release(self, request_ids: Sequence[str]) -> None:
         self.pool.release(request_ids)
         if self.draft is not None:

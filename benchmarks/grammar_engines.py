@@ -11,6 +11,9 @@ measures what structured output pays per request and per token on this CPU:
 - ``rollback_ms``: rolling back 5 tokens and re-advancing them (what a rejected
   speculative block costs the matcher).
 
+The engines other than llguidance (the one specdec depends on) are not dependencies: install them
+first (`pip install xgrammar outlines-core`); one that cannot load is reported as an error row.
+
     python -m benchmarks.grammar_engines --model ~/.cache/specdec/models/qwen2.5-coder-0.5b-instruct \
         --json docs/bench/grammar-engines.json
 """

@@ -103,10 +103,11 @@ def options_from_args(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.models import resolve_spec
+    from specdec.proposers import NON_MODEL_DRAFTS
 
     options = options_from_args(args)
     for spec in (options.target, options.draft):
-        if spec not in ("ngram", "none"):
+        if spec not in NON_MODEL_DRAFTS:
             resolve_spec(spec)  # a missing path fails here (exit 2), not in a replica
     started = time.monotonic()
     phases: dict[str, float] = {}  # what the ready line breaks the start-up into

@@ -134,7 +134,7 @@ def required_constraint(tools: list[dict], parallel: bool) -> Constraint:
     schemas = [function_schema(t) for t in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     schema = {**schema, "x-guidance": JSON_LAYOUT}
-    call = f'"{_lark(_OPEN)}\\n" body "\\n{_lark(_CLOSE)}"'
+    call = f'"{_lark(_OPEN)}" "\\n" body "\\n" "{_lark(_CLOSE)}"'
     start = 'call ("\\n" call)*' if parallel else "call"
     grammar = f"start: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}"
     return Constraint("grammar", grammar)

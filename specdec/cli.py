@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 
-from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES
+from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES, quiet_libraries
 from specdec.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
@@ -27,16 +27,22 @@ class CliError(Exception):
     """A user error: printed without a traceback, exit code 2."""
 
 
-def _positive_int(text: str) -> int:
+def _int(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = _positive_int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
@@ -375,17 +381,6 @@ def cmd_models_calibrate(args: argparse.Namespace) -> int:
               f"expected speedup {m.speedup:.2f} at K={m.best_k}")
     engine.shutdown()
     return 0
-
-
-def quiet_libraries() -> None:
-    """Silence library chatter without importing the libraries (`models list` must not import torch):
-    transformers reads TRANSFORMERS_VERBOSITY when it is first imported; a user's own setting wins."""
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
 def main(argv: list[str] | None = None) -> int:

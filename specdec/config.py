@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdec.structured_output import Constraint
 
@@ -24,6 +24,16 @@ ENV_PREFIX = "SPECDEC_"
 def env(name: str, default: str | None = None) -> str | None:
     """Read `SPECDEC_<name>` from the environment."""
     return os.environ.get(ENV_PREFIX + name, default)
+
+
+def quiet_libraries() -> None:
+    """Silence library chatter without importing the libraries (`models list` must not import torch):
+    transformers reads TRANSFORMERS_VERBOSITY when it is first imported; a user's own setting wins."""
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
 #: The most alternatives a request may ask log-probabilities of, per token (OpenAI's top_logprobs limit).
@@ -193,7 +203,6 @@ class EngineConfig:
     max_batch_tokens: int = 512
     # How sampled requests that name no mode sample (SAMPLING_MODES; README "Guarantees").
     speculative_sampling: str = "invariant"
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target.strip():

@@ -37,6 +37,7 @@ from specdec.kernels import VERIFY_TOKENS, prepare_target, settle_linear_kernel
 from specdec.model_runner import ModelRunner
 from specdec.models import LoadedModel, load_model, select_device, set_threads
 from specdec.pools import DraftPool, TargetPool
+from specdec.proposers import NON_MODEL_DRAFTS
 from specdec.prompt import Prompt, resolve_prompt, tokenize_prompt
 from specdec.request import GenerationRequest, as_request
 from specdec.scheduler import Scheduler, received
@@ -129,7 +130,7 @@ class SpeculativeEngine:
             target = load_model(config.target, device, config.dtype, config.trust_remote_code,
                                 allow_pickle=config.allow_pickle_weights, role="target", prepare=prepare)
             draft = None
-            if config.draft not in ("ngram", "none"):
+            if config.draft not in NON_MODEL_DRAFTS:
                 draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
                                    allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
             engine = cls(config, target, draft, linear_kernel=kernel[0])

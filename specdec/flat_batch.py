@@ -38,6 +38,7 @@ The attention backend is one function chosen by device: a GPU backend takes the 
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -149,15 +150,16 @@ def _cache_base():
     return FlatModelCache
 
 
-_MODEL_CACHE_CLASS = None
 _active = threading.local()
 
 
 def _model_cache(batch: FlatBatch):
-    global _MODEL_CACHE_CLASS
-    if _MODEL_CACHE_CLASS is None:
-        _MODEL_CACHE_CLASS = _cache_base()
-    return _MODEL_CACHE_CLASS(batch)
+    return _model_cache_class()(batch)
+
+
+@functools.cache
+def _model_cache_class():
+    return _cache_base()
 
 
 def _eager_of(module):
@@ -230,16 +232,12 @@ def flat_attention(module, query, key, value, attention_mask, dropout: float = 0
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
-_registered = False
-
-
+@functools.cache
 def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    """Register the flat attention with transformers (once per process)."""
+    from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTENTION_NAME, flat_attention)
-        _registered = True
+    AttentionInterface.register(ATTENTION_NAME, flat_attention)
 
 
 @contextmanager

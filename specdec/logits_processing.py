@@ -52,9 +52,16 @@ def process(logits: torch.Tensor, sampling: SamplingParams, prefix: Sequence[int
         keep = ids < vocab
         ids, counts = ids[keep].to(scores.device), counts[keep].to(scores.device, scores.dtype)
         scores[0, ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
-    if len(output) < sampling.min_tokens:
+    held = len(output) < sampling.min_tokens
+    if held:
+        before = scores
         ends = [i for i in {*sampling.eos_token_ids, *sampling.stop_token_ids} if i < vocab]
+        scores = scores.clone()
         scores[0, ends] = -float("inf")
     if sampling.structured is not None:
-        scores = structured_output.apply(scores, sampling.structured, output)
+        constrained = structured_output.apply(scores, sampling.structured, output)
+        if held and not bool(torch.isfinite(constrained).any()):
+            # The grammar is complete and allows only the end: it wins over min_tokens (else nothing is left).
+            constrained = structured_output.apply(before, sampling.structured, output)
+        scores = constrained
     return scores

@@ -77,10 +77,6 @@ class TargetPool:
             lengths.append(len(cache) if cache is not None else 0)
         return lengths
 
-    def length(self, request_id: str) -> int | None:
-        cache = self.caches.get(request_id)
-        return None if cache is None else len(cache)
-
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             cache = self.caches.pop(request_id, None)

@@ -49,7 +49,7 @@ from specdec.pools import DraftRow, TargetRow
 from specdec.proposers import Proposal
 from specdec.request import GenerationRequest, RequestTimeout
 from specdec.sampling import resolve
-from specdec.sequence import Sequence as GenSequence, StreamChunk
+from specdec.sequence import RequestState, StreamChunk
 from specdec.speculation_length import AutoK, CostModel, FixedK, HeuristicK, make_policy
 from specdec.step import Step
 from specdec import verify
@@ -62,11 +62,11 @@ class Cancelled(Exception):
 
 
 @dataclass
-class Active:
+class ScheduledRequest:
     """A request the scheduler holds: its sequence, K policy, where its output goes."""
 
     request: GenerationRequest
-    seq: GenSequence
+    seq: RequestState
     policy: object
     sink: Callable[[object], None]  # receives StreamChunk objects, then None (done) or an exception
     pipeline: bool
@@ -106,9 +106,9 @@ class Scheduler:
         self.on_fatal = on_fatal
         self.max_batch_size = config.max_batch_size
         self.max_batch_tokens = config.max_batch_tokens
-        self.waiting: deque[Active] = deque()
-        self.prefilling: deque[Active] = deque()
-        self.running: list[Active] = []
+        self.waiting: deque[ScheduledRequest] = deque()
+        self.prefilling: deque[ScheduledRequest] = deque()
+        self.running: list[ScheduledRequest] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids: set[str] = set()
@@ -121,7 +121,7 @@ class Scheduler:
         return self.draft is not None
 
     def submit(self, request: GenerationRequest, prompt_token_ids: list[int], sampling: SamplingParams,
-               sink: Callable[[object], None], observer=None) -> Active:
+               sink: Callable[[object], None], observer=None) -> ScheduledRequest:
         """Queue a validated request; its chunks (then None, or an exception) go to `sink` from the
         scheduler's thread."""
         policy = make_policy(self.config, self.costs, request.num_speculative_tokens, has_draft=self.has_draft)
@@ -134,9 +134,9 @@ class Scheduler:
         sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids), eos)
         pinned, policy = self._pin(sampling, seeded, policy)
         pipeline = pipeline and not pinned
-        seq = GenSequence(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
+        seq = RequestState(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-        item = Active(request, seq, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
+        item = ScheduledRequest(request, seq, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
         with self._wake:
             if request.request_id in self._ids:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -159,7 +159,7 @@ class Scheduler:
             policy = HeuristicK(policy.k_max)
         return pinned, policy
 
-    def cancel(self, item: Active) -> None:
+    def cancel(self, item: ScheduledRequest) -> None:
         with self._wake:
             item.cancelled = True
             self._wake.notify_all()
@@ -259,7 +259,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ step
 
-    def _choose_k(self, batch: list[Active]) -> list[int]:
+    def _choose_k(self, batch: list[ScheduledRequest]) -> list[int]:
         """K per row. Auto-K rows weigh their expected tokens against the step's cost at the batch's
         total verify rows, so K shrinks as the batch grows (and is 0 once the target is compute-bound)."""
         ks = [0] * len(batch)
@@ -284,10 +284,10 @@ class Scheduler:
                 expected += policy.expected_tokens(ks[i]) - mine_expected
         return [item.seq.clamp_k(k, self.max_context) for item, k in zip(batch, ks)]
 
-    def _plan(self, running: list[Active]) -> Step:
+    def _plan(self, running: list[ScheduledRequest]) -> Step:
         """The step's rows and their K within the token budget (`max_batch_tokens` verify tokens).
 
-        A pinned row (`Active.pinned`) takes its K whole, plus room for the longest proposal it may
+        A pinned row (`ScheduledRequest.pinned`) takes its K whole, plus room for the longest proposal it may
         get (a prompt-lookup match, up to k_max), or sits this step out; rows that sat out go first
         next step, so none waits more than a step or two (a pinned row whose K is over the whole
         budget steps alone). The others share what is left: each at least one token, then the
@@ -315,7 +315,7 @@ class Scheduler:
                     reach=[reach[i] if running[i].pinned else None for i in rows],
                     room=max(0, left - sum(ks[i] + 1 for i in free)))
 
-    def _step(self, batch: list[Active]) -> None:
+    def _step(self, batch: list[ScheduledRequest]) -> None:
         """One speculative step over the running batch, phase by phase (see the module docstring)."""
         step = self._plan(batch)
         self._propose(step)
@@ -504,20 +504,20 @@ class Scheduler:
             else:
                 item.sink(chunk)
 
-    def _draft_failed(self, item: Active, error: Exception) -> None:
+    def _draft_failed(self, item: ScheduledRequest, error: Exception) -> None:
         item.seq.stats.draft_failures += 1
         item.draft_ok = False
         item.pending = None
         logger.warning("draft failed for request %s (%s: %s); it continues target-only", item.request_id,
                        error.__class__.__name__, str(error).splitlines()[0][:200] if str(error) else "")
 
-    def _fatal_or_fail(self, items: Sequence[Active], error: Exception) -> None:
+    def _fatal_or_fail(self, items: Sequence[ScheduledRequest], error: Exception) -> None:
         if self.on_fatal is not None:
             error = self.on_fatal(error) or error
         for item in items:
             self._finish(item, error)
 
-    def _finish(self, item: Active, error: Exception | None, last: StreamChunk | None = None) -> None:
+    def _finish(self, item: ScheduledRequest, error: Exception | None, last: StreamChunk | None = None) -> None:
         """Remove the request from wherever it is, free its caches, and end its stream."""
         with self._wake:
             if item.request_id not in self._ids:

@@ -1,7 +1,7 @@
 """One request's generation state: committed tokens, stopping, text, stats and random streams.
 
 Shared by the in-process engine and the Ray coordinator: both commit each step's verified tokens
-through `Sequence.commit`, which applies the stopping rules token by token (EOS, max_tokens, stop
+through `RequestState.commit`, which applies the stopping rules token by token (EOS, max_tokens, stop
 strings), so a step that overshoots a stop never leaks tokens past it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
@@ -80,12 +80,12 @@ class GenerationOutput:
         }
 
 
-class Sequence:
+class RequestState:
     """Committed tokens of one request and everything that decides when it ends."""
 
     def __init__(
         self,
-        prompt_token_ids: Seq[int],
+        prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         tokenizer,
         eos_token_ids: frozenset[int],
@@ -139,7 +139,7 @@ class Sequence:
         self.stats.draft_seconds += draft_seconds
         self.stats.target_seconds += target_seconds
 
-    def add_prompt_logprobs(self, entries: Seq[TokenLogprob]) -> None:
+    def add_prompt_logprobs(self, entries: Sequence[TokenLogprob]) -> None:
         """The next prompt tokens' log-probabilities (from a prefill chunk), their texts filled in."""
         start = len(self.prompt_logprobs)
         decode = self.detokenizer.token_text
@@ -147,7 +147,7 @@ class Sequence:
             dataclasses.replace(lp, token=decode(token), top_tokens=tuple(decode(t) for t, _ in lp.top))
             for token, lp in zip(self.token_ids[start:self.num_prompt_tokens], entries))
 
-    def commit(self, token_ids: Seq[int], logprobs: Seq[TokenLogprob] | None = None) -> StreamChunk:
+    def commit(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> StreamChunk:
         """Append verified tokens one by one until a stopping rule fires; return what was added (with
         the log-probabilities of the tokens kept, when given)."""
         added: list[int] = []

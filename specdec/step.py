@@ -18,7 +18,7 @@ from specdec.proposers import Proposal
 from specdec.sequence import StreamChunk
 
 if TYPE_CHECKING:
-    from specdec.scheduler import Active
+    from specdec.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -30,7 +30,6 @@ class StepInfo:
     num_accepted: int
     num_committed: int
     verify_seconds: float
-    batch_size: int = 1
     draft_seconds: float | None = None  # None: no drafting call for this row this step
     pipeline_hit: bool | None = None  # None: nothing was pre-drafted for this row this step
     draft_failures: int = 0
@@ -44,7 +43,7 @@ class StepInfo:
 class Step:
     """One step's working state, filled phase by phase (rows are indexed like `batch`)."""
 
-    batch: list[Active]
+    batch: list[ScheduledRequest]
     ks: list[int]  # [num_rows] K asked of each row (0: target-only this step)
     started: float
     # [num_rows] a pinned row's longest proposal (its budget share); None: the row shares `room`.
@@ -79,7 +78,7 @@ class Step:
         p, chunk = self.proposals[i], self.chunks[i]
         info = StepInfo(k=self.ks[i], num_proposed=len(p), num_accepted=self.results[i].num_accepted,
                         num_committed=len(chunk.token_ids), verify_seconds=verify_seconds,
-                        batch_size=len(self.batch), draft_seconds=self.draft_seconds if self.drafted[i] else None,
+                        draft_seconds=self.draft_seconds if self.drafted[i] else None,
                         draft_failures=draft_failures_now - self.failures_before[i])
         if i in self.cache_lengths:
             info.target_cache_tokens = self.cache_lengths[i][0]

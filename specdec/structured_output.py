@@ -98,17 +98,24 @@ def grammar_text(constraint: Constraint) -> str:
             return L.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if constraint.kind == "regex":
             return L.grammar_from_regex(constraint.spec)
-        if constraint.kind == "grammar":
-            return L.grammar_from_lark(constraint.spec)
-        choices = json.loads(constraint.spec)
-        if (not isinstance(choices, list) or not choices
-                or not all(isinstance(c, str) and c for c in choices)):
-            raise ConstraintError("choice must be a non-empty list of non-empty strings")
-        return L.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        return L.grammar_from_lark(_lark(constraint))
     except ConstraintError:
         raise
     except Exception as e:  # llguidance raises ValueError/RuntimeError with its own message
         raise ConstraintError(f"cannot compile the {constraint.kind}: {e}") from None
+
+
+def _lark(constraint: Constraint) -> str:
+    """The Lark source of a `grammar` or `choice` constraint."""
+    if constraint.kind == "grammar":
+        return constraint.spec
+    try:
+        choices = json.loads(constraint.spec)
+    except json.JSONDecodeError:
+        choices = None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ConstraintError("choice must be a non-empty list of non-empty strings")
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 def validate(constraint: Constraint) -> None:
@@ -127,7 +134,7 @@ def check(constraint: Constraint) -> None:
     import llguidance
 
     grammar = grammar_text(constraint)
-    error = llguidance.LLMatcher.validate_grammar(grammar, prepare(constraint.vocabulary))
+    error = llguidance.LLMatcher.validate_grammar(grammar, prepare(constraint.vocabulary).tokenizer)
     if error and not error.startswith("WARNING"):
         raise ConstraintError(f"cannot compile the {constraint.kind}: {_one_line(error)}")
     _grammar(constraint)  # compiled once here, off the decoding loop's critical path
@@ -150,13 +157,26 @@ def apply(scores: torch.Tensor, constraint: Constraint, output: Sequence[int]) -
     return scores.masked_fill(~mask[:width].to(scores.device), float("-inf"))
 
 
-_tokenizers: dict[Vocabulary, object] = {}
+@dataclass(frozen=True)
+class _View:
+    """llguidance's tokenizer, and the added tokens it treats as special ((id, text) pairs)."""
+
+    tokenizer: object
+    special: tuple[tuple[int, str], ...]
+
+
+_tokenizers: dict[Vocabulary, _View] = {}
 _tokenizers_lock = threading.Lock()
 
 
-def prepare(vocabulary: Vocabulary, hf_tokenizer=None):
+def prepare(vocabulary: Vocabulary, hf_tokenizer=None) -> _View:
     """llguidance's view of a vocabulary's tokenizer, built once per process (~4 s for a 152k
-    vocabulary): from `hf_tokenizer` when the caller has it loaded, else loaded from the source."""
+    vocabulary): from `hf_tokenizer` when the caller has it loaded, else loaded from the source.
+
+    llguidance treats every added token as special, also those a tokenizer marks `special: false`
+    (Qwen2.5's `<tool_call>`, `</tool_call>`, its FIM tokens): its mask allows such a token where the
+    grammar expects its text, and then refuses to consume it. `Grammar.allowed` drops those from the
+    mask, and a Lark literal equal to one's text also accepts the token itself (`_accept_added`)."""
     import llguidance.hf
 
     if vocabulary is None:
@@ -168,11 +188,15 @@ def prepare(vocabulary: Vocabulary, hf_tokenizer=None):
 
                 hf_tokenizer = load_tokenizer(vocabulary.source, vocabulary.trust_remote_code)
             try:
-                _tokenizers[vocabulary] = llguidance.hf.from_tokenizer(
+                tokenizer = llguidance.hf.from_tokenizer(
                     hf_tokenizer, n_vocab=vocabulary.size, eos_token=list(vocabulary.eos_token_ids))
             except ValueError as e:
                 raise ConstraintError(f"structured output is not available for {vocabulary.source!r}: the grammar "
                                       f"engine cannot read its tokenizer ({_one_line(str(e))})") from None
+            added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+            special = tuple((int(i), str(t)) for i, t in sorted(added.items())
+                            if int(i) < vocabulary.size and tokenizer.is_special_token(int(i)))
+            _tokenizers[vocabulary] = _View(tokenizer, special)
         return _tokenizers[vocabulary]
 
 
@@ -194,8 +218,13 @@ class Grammar:
         import llguidance
 
         self.constraint = constraint
-        self.tokenizer = prepare(constraint.vocabulary)
+        view = prepare(constraint.vocabulary)
+        self.tokenizer = view.tokenizer
         self.text = grammar_text(constraint)
+        if constraint.kind in ("grammar", "choice") and view.special:
+            self.text = llguidance.LLMatcher.grammar_from_lark(_accept_added(_lark(constraint), view.special))
+        eos = set(constraint.vocabulary.eos_token_ids)
+        self._special = [i for i, _ in view.special if i not in eos]  # checked against each mask
         self._llg = llguidance
         self.eos = [i for i in constraint.vocabulary.eos_token_ids if i < constraint.vocabulary.size]
         self.size = constraint.vocabulary.size
@@ -228,8 +257,17 @@ class Grammar:
                 mask = torch.zeros(self.size, dtype=torch.bool)
                 mask[self.eos] = True
                 return mask
-            bits = torch.frombuffer(bytearray(m.matcher.compute_bitmask()), dtype=torch.int32)
-        return _unpack(bits, self.size)
+            mask = _unpack(torch.frombuffer(bytearray(m.matcher.compute_bitmask()), dtype=torch.int32), self.size)
+            refused = [token for token in self._special  # allowed by the mask, refused when consumed (`prepare`)
+                       if mask[token] and m.matcher.validate_tokens([token]) != 1]
+            mask[refused] = False
+            if refused and not bool(mask.any()):
+                names = ", ".join(repr(self.tokenizer.dbg_tokens([t])) for t in refused)
+                raise ConstraintError(
+                    f"the {self.constraint.kind} allows no token after {len(output)} output tokens: it needs the "
+                    f"text of an added token ({names}), which the grammar engine cannot spell in bytes; in a Lark "
+                    "grammar (structured_outputs.grammar) a literal of that text matches the token itself")
+        return mask
 
     def _closest(self, output: list[int]) -> tuple[int, _Matcher]:
         best, best_key, best_len = None, None, -1
@@ -264,6 +302,15 @@ class Grammar:
                 raise RuntimeError(f"token {token} is not allowed by the {self.constraint.kind} "
                                    f"after {len(output)} tokens: {error}")
             m.tokens.append(int(token))
+
+
+def _accept_added(lark: str, added: tuple[tuple[int, str], ...]) -> str:
+    """A Lark grammar where each string literal equal to an added token's text also accepts that
+    token by id (`<[id]>`): the model's own `<tool_call>` token, not only its spelling in bytes."""
+    for token, text in added:
+        literal = json.dumps(text)
+        lark = lark.replace(literal, f"({literal} | <[{token}]>)")
+    return lark
 
 
 def _one_line(error: str) -> str:

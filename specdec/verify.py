@@ -34,7 +34,7 @@ from specdec.sampling import draw, gumbel_argmax, uniform, warp_logits
 @dataclass(frozen=True)
 class TokenLogprob:
     """The target's log-probability of one emitted token, and of the most likely alternatives
-    (their texts are filled in when the token is committed: `Sequence.commit`)."""
+    (their texts are filled in when the token is committed: `RequestState.commit`)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first

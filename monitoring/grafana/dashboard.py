@@ -115,8 +115,8 @@ def build() -> dict:
     d = d.with_panel(panel(
         "timeseries", "Acceptance per request, by features",
         "Median and 10th percentile of finished requests' acceptance rates, by the features they used (plain, "
-        "logprobs, penalties, joined by +). A feature whose requests accept less costs speculation speed; a "
-        "request near 0 or 1 is often garbled or looping output.",
+        "logprobs, penalties, json_schema, grammar, tools, joined by +). A feature whose requests accept less "
+        "costs speculation speed; a request near 0 or 1 is often garbled or looping output.",
         "percentunit",
         [(f"histogram_quantile(0.5, {rate('ray_specdec_request_acceptance_rate_bucket', 'le, features')})",
           "median {{features}}"),

@@ -8,7 +8,7 @@ draft model reaches its context limit); the step then verifies what there is.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +30,6 @@ class Proposal:
     # block) and tokens held after it (None: the proposer keeps no cache, e.g. n-gram lookup).
     rewound_tokens: int = 0
     cache_tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)

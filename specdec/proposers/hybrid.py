@@ -47,14 +47,14 @@ class HybridProposer:
                 max_tokens: int | None = None) -> Proposal:
         tokens = self.lookup(context_token_ids, max(num_tokens, max_tokens or 0))
         if tokens:
-            return Proposal(tokens, extra={"source": "ngram"})
+            return Proposal(tokens)
         return self.model.propose(state, context_token_ids, num_tokens, sampling)
 
     def propose_batch(self, states, contexts, nums_tokens, samplings, max_tokens=None) -> list[Proposal]:
         max_tokens = max_tokens or [None] * len(states)
         found = [self.lookup(c, max(n, m or 0)) if n > 0 else [] for c, n, m in zip(contexts, nums_tokens, max_tokens)]
         rest = [i for i, t in enumerate(found) if not t]
-        proposals: list[Proposal | None] = [Proposal(t, extra={"source": "ngram"}) if t else None for t in found]
+        proposals: list[Proposal | None] = [Proposal(t) if t else None for t in found]
         if rest:
             drafted = self.model.propose_batch([states[i] for i in rest], [contexts[i] for i in rest],
                                                [nums_tokens[i] for i in rest], [samplings[i] for i in rest])

@@ -249,7 +249,16 @@ def test_chat_completion_applies_the_chat_template(service, local):
     expected = local.generate(messages, chat=True, sampling=SamplingParams(max_tokens=30))
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == expected.text
-    assert out.usage.prompt_tokens == expected.prompt_tokens
+    # The reference: HF's own chat templating and greedy generate() of the target alone.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = local.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.usage.prompt_tokens == len(ids)
+    model = AutoModelForCausalLM.from_pretrained(service.target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
+    assert expected.token_ids == hf  # and the service's text is the in-process engine's (above)
     stream = service.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
                                                     temperature=0, stream=True,
                                                     stream_options={"include_usage": True})

@@ -79,7 +79,6 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
     (["--k", "0"], "k must be"),
     (["--max-tokens", "600"], "exceeds the model's context"),
     (["--chat"], "no chat template"),
-    (["--draft-vocab", "0"], "draft vocabulary size"),
     (["--presence-penalty", "3"], "presence_penalty"),
     (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--logit-bias", "5"], "--logit-bias"),
@@ -95,6 +94,13 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
     assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--draft-vocab", "--max-k", "--threads"])
+def test_a_zero_where_a_positive_integer_is_needed_exits_2(tiny_llama, capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--target", str(tiny_llama), flag, "0", "w1"])
+    assert e.value.code == 2 and f"{flag}: expected an integer >= 1" in capsys.readouterr().err
 
 
 def test_bad_k_syntax_exits_2(tiny_llama, capsys):

@@ -197,3 +197,48 @@ def test_a_constraint_that_does_not_compile_is_refused_with_its_reason(engine, c
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="kind must be one of"):
         Constraint("xml")
+
+
+def test_min_tokens_equals_hf_min_new_tokens_and_yields_to_a_complete_grammar(engine, hf_target):
+    """EOS pushed up by a bias ends the output at once; `min_tokens` holds it back exactly as HF's
+    `min_new_tokens` does; a grammar that is complete (only EOS left) still ends the output."""
+    eos = engine.tokenizer.eos_token_id
+    ids = engine.tokenize(PROMPTS[1])
+    pushed = SamplingParams(max_tokens=TOKENS, logit_bias={eos: 30.0})
+    assert engine.generate(prompt_token_ids=ids, sampling=pushed).token_ids == [eos]
+    held = engine.generate(prompt_token_ids=ids, sampling=pushed.replace(min_tokens=6))
+    with torch.no_grad():
+        reference = hf_target.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=eos,
+                                       min_new_tokens=6, sequence_bias={(eos,): 30.0})[0, len(ids):].tolist()
+    assert held.token_ids == reference and len(held.token_ids) == 7 and held.token_ids[-1] == eos
+    done = engine.generate(prompt_token_ids=ids, sampling=SamplingParams(
+        max_tokens=TOKENS, min_tokens=8, structured=CONSTRAINTS["choice"]))
+    assert done.text in ("alpha", "beta", "gamma delta") and done.finish_reason == "stop"
+
+
+def test_an_added_non_special_token_is_masked_consistently(bpe_tokenizer):
+    """llguidance treats every added token as special (Qwen2.5's `<tool_call>` is `special: false`):
+    its raw mask allows the token where the text is expected, then refuses to consume it. The mask here
+    never offers a token the matcher refuses; a Lark literal of the token's text accepts the token."""
+    import copy
+
+    from specdec import structured_output
+    from specdec.structured_output import Vocabulary
+
+    tokenizer = copy.deepcopy(bpe_tokenizer)
+    tokenizer.add_tokens(["<tool_call>"])  # special=False, as in Qwen2.5's tokenizer.json
+    added = tokenizer.convert_tokens_to_ids("<tool_call>")
+    vocabulary = Vocabulary("test:added-token", len(tokenizer), (tokenizer.eos_token_id,))
+    structured_output.prepare(vocabulary, tokenizer)
+    # In free text (a JSON string) the token is dropped and its spelling in bytes stays allowed.
+    free = Constraint("regex", "[<>a-z_]{1,20}", vocabulary)
+    mask = structured_output.allowed(free, [])
+    assert not mask[added] and mask[tokenizer.convert_tokens_to_ids("<")]
+    # Where only the token's text fits, a Lark literal (and a choice) accepts the token itself ...
+    for constraint in (Constraint("grammar", 'start: "<tool_call>" "x"', vocabulary),
+                       Constraint("choice", json.dumps(["<tool_call>"]), vocabulary)):
+        assert structured_output.allowed(constraint, [])[added]
+        assert structured_output.allowed(constraint, [added]).any()
+    # ... and a regex that needs it is refused by name, not decoded into garbage.
+    with pytest.raises(ConstraintError, match="added token"):
+        structured_output.allowed(Constraint("regex", "<tool_call>x", vocabulary), [])
