@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import ray
 
 from actors.config import RayEngineConfig
-from specdec import model_cache
-from specdec.presets import is_preset
-from specdec.request import GenerationRequest, as_request
-from specdec.sequence import GenerationOutput, StreamChunk
+from specdec.models import model_cache
+from specdec.models.presets import is_preset
+from specdec.engine.request import GenerationRequest, as_request
+from specdec.engine.request_state import GenerationOutput, StreamChunk
 
 logger = logging.getLogger(__name__)
 

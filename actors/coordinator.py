@@ -1,6 +1,6 @@
 """The coordinator: drives the core's batch scheduler over remote actors.
 
-The loop is the core's (`specdec.scheduler.Scheduler`: continuous batching, one batched draft call
+The loop is the core's (`specdec.engine.scheduler.Scheduler`: continuous batching, one batched draft call
 and one batched verify forward per step, acceptance, commit, rewind); this actor only moves its
 inputs and outputs. Its adapters send each scheduler call to the actors that run it: a batched
 forward or rewind to every target shard (all shards get the same calls in the same order: one
@@ -25,7 +25,7 @@ other exception from a shard call fails that step's requests without a rebuild.
 Health (`check_health`, Serve's replica check): a slow engine is healthy, a stuck one is not. One
 forward on a busy CPU or a long prefill chunk can outlast any fixed wait for a shard call, so when
 none has completed for `health_stall_s` the check asks every actor for its progress (decoder layers
-finished, `specdec.progress`; answered mid-forward by a thread of the actor's own): a dead or silent
+finished, `specdec.engine.progress`; answered mid-forward by a thread of the actor's own): a dead or silent
 actor fails the check, layers finishing mean slow, and no layer for `health_stall_s` means stuck.
 """
 
@@ -44,17 +44,17 @@ import ray
 from actors.config import RayEngineConfig
 from actors.groups import HEALTH_GROUP, create_draft_worker, create_target_group, kill_target_group, reserve_draft
 from actors.metrics import GAUGE_REFRESH_S, EngineMetrics, request_features
-from specdec.backends import DraftCapabilities
-from specdec.calibration import runtime_check
-from specdec.kernels import VERIFY_TOKENS
-from specdec.models import check_same_vocabulary, load_tokenizer
-from specdec.presets import short_name
-from specdec.prompt import resolve_prompt
-from specdec.proposers import NON_MODEL_DRAFTS
-from specdec.request import GenerationRequest, RequestTimeout
-from specdec.scheduler import Cancelled, Scheduler, received
-from specdec.sequence import StreamChunk
-from specdec.speculation_length import CostModel
+from specdec.engine.backends import DraftCapabilities
+from specdec.kernels.calibration import runtime_check
+from specdec.kernels.linear import VERIFY_TOKENS
+from specdec.models.loading import check_same_vocabulary, load_tokenizer
+from specdec.models.presets import short_name
+from specdec.engine.prompt import resolve_prompt
+from specdec.decoding.proposers import NON_MODEL_DRAFTS
+from specdec.engine.request import GenerationRequest, RequestTimeout
+from specdec.engine.scheduler import Cancelled, Scheduler, received
+from specdec.engine.request_state import StreamChunk
+from specdec.decoding.speculation_length import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Coordinator:
         "slow". Idle, every actor must answer within `timeout_s` (`request_counts`). Under load a
         ping would queue behind the forwards, so a shard call completed within `stall_s` (default:
         the config's `health_stall_s`) is the proof of life. Failing that, every actor reports its
-        `progress` from a thread of its own, mid-forward (`specdec.progress`): one that is dead fails
+        `progress` from a thread of its own, mid-forward (`specdec.engine.progress`): one that is dead fails
         the check at once, one silent for `timeout_s` fails it then; a decoder layer finished (or a
         call begun or ended) anywhere within `stall_s` means slow but progressing; none means stuck."""
         stall_s = self.config.health_stall_s if stall_s is None else stall_s
@@ -258,7 +258,7 @@ class Coordinator:
     # ---------------------------------------------------------------------------- requests
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[StreamChunk]:
-        """Stream one request's chunks (see `specdec.request.GenerationRequest`). Past its `timeout_s`
+        """Stream one request's chunks (see `specdec.engine.request.GenerationRequest`). Past its `timeout_s`
         the request raises `RequestTimeout` at its next step."""
         # In a thread: a structured-output request compiles its grammar here (the first one also builds
         # the grammar engine's view of the vocabulary, seconds), off the actor's event loop.

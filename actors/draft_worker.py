@@ -5,7 +5,7 @@ own process (colocated placement). It wraps the core's `DraftPool` unchanged: `p
 the whole batch (one draft forward per position for a draft model), and each row first rewinds its
 draft cache to the prefix it shares with the context it is given, so a rejection, or a pre-drafted
 block that was not used, needs no extra call. `progress()` counts its decoder layers, for the
-coordinator's health check (`specdec.progress`; a colocated draft counts into the shard's).
+coordinator's health check (`specdec.engine.progress`; a colocated draft counts into the shard's).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import logging
 import time
 from collections.abc import Sequence
 
-from specdec.calibration import Record as Calibration, summarize
+from specdec.kernels.calibration import Record as Calibration, summarize
 from specdec.config import EngineConfig
-from specdec.draft import build_draft
-from specdec.models import LoadedModel, load_model, select_device, set_threads
-from specdec.pools import DraftPool, DraftRow
-from specdec.progress import ForwardProgress
-from specdec.proposers import Proposal
+from specdec.engine.draft import build_draft
+from specdec.models.loading import LoadedModel, load_model, select_device, set_threads
+from specdec.engine.pools import DraftPool, DraftRow
+from specdec.engine.progress import ForwardProgress
+from specdec.decoding.proposers import Proposal
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class DraftWorker:
         return self.pool.name
 
     def calibration(self) -> dict | None:
-        """The draft model's precision and, when `auto` measured it, how (`specdec.calibration.Record.summary`);
+        """The draft model's precision and, when `auto` measured it, how (`specdec.kernels.calibration.Record.summary`);
         None for n-gram lookup (no model)."""
         return summarize(self.record, self.quantization) if self.config.draft != "ngram" else None
 

@@ -19,7 +19,7 @@ Ray's default 10 s interval while our workers report every 2 s). Set at events o
 engine's gauges left the exposition some 20 s after its last request and the dashboard's gauge
 panels went blank.
 
-The counters are the sums of the `speculative` objects the clients get (`specdec/stats.py` defines
+The counters are the sums of the `speculative` objects the clients get (`specdec/decoding/stats.py` defines
 the words), so:
 
     acceptance rate          sum(rate(ray_specdec_num_accepted_tokens_total[5m]))
@@ -187,7 +187,7 @@ class EngineMetrics:
     def engine_started(self, info: dict) -> None:
         """Record `specdec_engine_info` from the coordinator's `info` (the rank-0 shard's `describe()`,
         with the draft's calibration) and this node's CPU."""
-        from specdec.cpu import cpu_info
+        from specdec.kernels.cpu import cpu_info
 
         calibration = info.get("calibration") or {}
         kernel = calibration.get("linear_kernel") or {}
@@ -275,7 +275,7 @@ class RequestMetrics:
         self._hold(target=target_cache_tokens)
 
     def step(self, step) -> None:
-        """One verify step committed: the core's `specdec.step.StepInfo` for this request (the core's stats
+        """One verify step committed: the core's `specdec.engine.step.StepInfo` for this request (the core's stats
         got the same numbers)."""
         engine, now = self.engine, time.perf_counter()
         engine._k = step.k  # set with the other gauges, by `_hold` below

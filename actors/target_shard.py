@@ -8,7 +8,7 @@ reduces through a torch.distributed process group among the shard actors: gloo o
 Rank 0 returns the result; the others return None. tp_size 1 is a plain single-process target.
 With the colocated draft placement, rank 0 also hosts the draft worker (`propose`).
 
-`progress()` reports the decoder layers this process has run (`specdec.progress`); the coordinator's
+`progress()` reports the decoder layers this process has run (`specdec.engine.progress`); the coordinator's
 health check asks for it while a forward runs (the actor gives it a thread of its own, see
 `actors/groups.py`), which tells a slow forward from a stuck one.
 """
@@ -23,14 +23,14 @@ from datetime import timedelta
 
 import torch
 
-from specdec import startup
+from specdec.engine import startup
 from specdec.config import EngineConfig
-from specdec.calibration import summarize
-from specdec.kernels import prepare_target, settle_linear_kernel
-from specdec.model_runner import ModelRunner
-from specdec.models import load_model, select_device, set_threads
-from specdec.pools import TargetPool, TargetRow
-from specdec.progress import ForwardProgress
+from specdec.kernels.calibration import summarize
+from specdec.kernels.linear import prepare_target, settle_linear_kernel
+from specdec.models.model_runner import ModelRunner
+from specdec.models.loading import load_model, select_device, set_threads
+from specdec.engine.pools import TargetPool, TargetRow
+from specdec.engine.progress import ForwardProgress
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TargetShard:
         self.runner: ModelRunner | None = None
         self.pool: TargetPool | None = None
         self.startup_seconds: dict[str, float] = {}
-        self.kernel_record = None  # the target kernel's calibration (specdec.calibration.Record), when measured
+        self.kernel_record = None  # the target kernel's calibration (specdec.kernels.calibration.Record), when measured
         self.forward_progress = ForwardProgress.from_env()  # the target's layers, and a colocated draft's
 
     # ------------------------------------------------------------------------------- set-up
@@ -96,7 +96,7 @@ class TargetShard:
                                     timeout=timedelta(seconds=timeout_s))
             from transformers import AutoConfig
 
-            from specdec.models import materialize, resolve_spec
+            from specdec.models.loading import materialize, resolve_spec
 
             resolved = materialize(resolve_spec(self.config.target))
             kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
@@ -136,11 +136,11 @@ class TargetShard:
             "linear_kernel": self.linear_kernel,
             "world_size": self.world_size,
             "draft": self.draft.ready() if self.draft is not None else None,
-            # What load-time measurement chose (`specdec/calibration.py`): the kernel here, the
+            # What load-time measurement chose (`specdec/kernels/calibration.py`): the kernel here, the
             # colocated draft's precision (a separate draft worker reports its own).
             "calibration": {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
                             "draft_precision": self.draft.calibration() if self.draft is not None else None},
-            "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
+            "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/engine/startup.py`)
         }
 
     # ------------------------------------------------------------------------------ serving

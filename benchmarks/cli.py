@@ -21,7 +21,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 def register(subparsers, generate_parser) -> None:
-    from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p = subparsers.add_parser(
         "bench", help="measure speedups side by side with Hugging Face generate()",
@@ -104,8 +104,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _concurrency(args: argparse.Namespace, prompts, sampling, out: Path) -> int:
     from benchmarks import concurrency
-    from specdec.models import load_tokenizer
-    from specdec.prompt import check_prompt, tokenize_prompt
+    from specdec.models.loading import load_tokenizer
+    from specdec.engine.prompt import check_prompt, tokenize_prompt
 
     if not args.concurrency or any(n < 1 for n in args.concurrency):
         raise ValueError(f"--concurrency needs integers >= 1, got {','.join(map(str, args.concurrency)) or 'none'}")

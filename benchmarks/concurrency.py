@@ -29,9 +29,9 @@ import torch
 
 from benchmarks.report import cpu_line
 from specdec.config import SamplingParams
-from specdec.cpu import cpu_info
-from specdec.kernels import stock_linears
-from specdec.stats import SpeculativeStats
+from specdec.kernels.cpu import cpu_info
+from specdec.kernels.linear import stock_linears
+from specdec.decoding.stats import SpeculativeStats
 
 
 @dataclass
@@ -155,7 +155,7 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
     from tqdm.auto import tqdm
 
     from specdec import EngineConfig, SpeculativeEngine
-    from specdec.models import load_model, set_threads
+    from specdec.models.loading import load_model, set_threads
 
     set_threads(threads)
     started = time.time()

@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.prompts import humaneval
     from specdec import SamplingParams, SpeculativeEngine
-    from specdec.cpu import cpu_info
+    from specdec.kernels.cpu import cpu_info
 
-    from specdec.structured_output import Constraint
+    from specdec.decoding.structured_output import Constraint
 
     engine = SpeculativeEngine.from_pretrained(args.target, draft=args.draft, num_speculative_tokens="auto")
     if args.structured:

@@ -239,7 +239,7 @@ def main(argv=None):
 
 
 def _cpu():
-    from specdec.cpu import cpu_info
+    from specdec.kernels.cpu import cpu_info
 
     return cpu_info().as_dict()
 

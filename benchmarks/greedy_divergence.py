@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    from specdec.cpu import cpu_info
+    from specdec.kernels.cpu import cpu_info
 
     if args.target == "tiny":
         target, tiny_draft, prompts = tiny_pair(args.prompts)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
-from specdec.kernels import stock_linears
-from specdec.stats import SpeculativeStats
+from specdec.kernels.linear import stock_linears
+from specdec.decoding.stats import SpeculativeStats
 
 
 @dataclass

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 from benchmarks.methods import Run
-from specdec.speculation_length import theoretical_speedup
-from specdec.stats import SpeculativeStats
+from specdec.decoding.speculation_length import theoretical_speedup
+from specdec.decoding.stats import SpeculativeStats
 
 
 def summarize(runs: dict[str, list[Run | None]], baseline: str, reference: str, ks: dict, groups: dict,
@@ -97,7 +97,7 @@ def cpu_line(meta: dict) -> str:
 
 
 def _calibration_line(meta: dict) -> str:
-    from specdec.calibration import describe
+    from specdec.kernels.calibration import describe
 
     calibration = meta.get("calibration") or {}
     return "; ".join(f"{name.replace('_', ' ')} {describe(calibration.get(name))}"

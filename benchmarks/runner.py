@@ -30,10 +30,10 @@ from benchmarks.methods import HFGenerate, Run, Specdec
 from benchmarks.prompts import Prompt
 from benchmarks import report
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
-from specdec.cpu import cpu_info
-from specdec.kernels import PackedLinear
-from specdec.models import load_model, set_threads
-from specdec.prompt import check_prompt, tokenize_prompt
+from specdec.kernels.cpu import cpu_info
+from specdec.kernels.linear import PackedLinear
+from specdec.models.loading import load_model, set_threads
+from specdec.engine.prompt import check_prompt, tokenize_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
 def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, draft) -> list:
     """One auto-K row per lever. Fixed precisions share one prepared copy of the draft each; the
     vocabulary and prompt-lookup rows run on the bfloat16 draft (or the first precision asked)."""
-    from specdec.draft_precision import prepare_draft
+    from specdec.kernels.draft_precision import prepare_draft
 
     methods, prepared = [], {}
     for precision in config.precisions:

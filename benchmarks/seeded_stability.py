@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    from specdec.cpu import cpu_info
+    from specdec.kernels.cpu import cpu_info
 
     target, draft, prompts = tiny_pair(args.prompts)
     result = {"target": "tiny random Llama (vocab 512) + perturbed draft", "temperature": 1.0, "k": "auto",

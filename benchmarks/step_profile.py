@@ -61,9 +61,9 @@ def _copy_cache(runner, cache):
 
 def profile(spec: str, rows_list: list[int], context_ids: list[int], k: int, repeats: int,
             kernel: str) -> list[dict]:
-    from specdec.kernels import prepare_target, settle_linear_kernel
-    from specdec.model_runner import ModelRunner
-    from specdec.models import load_model
+    from specdec.kernels.linear import prepare_target, settle_linear_kernel
+    from specdec.models.model_runner import ModelRunner
+    from specdec.models.loading import load_model
 
     loaded = load_model(spec)
     chosen = prepare_target(loaded.model, kernel, speculating=True)
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         print(compare(before, after, args.out))
         return
     torch.set_num_threads(2)
-    from specdec.cpu import cpu_info
-    from specdec.models import load_tokenizer
+    from specdec.kernels.cpu import cpu_info
+    from specdec.models.loading import load_tokenizer
 
     prompt = json.loads(Path(args.prompts).read_text().splitlines()[0])["prompt"]
     tokenizer = load_tokenizer(args.target)

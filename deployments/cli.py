@@ -102,8 +102,8 @@ def options_from_args(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdec.models import resolve_spec
-    from specdec.proposers import NON_MODEL_DRAFTS
+    from specdec.models.loading import resolve_spec
+    from specdec.decoding.proposers import NON_MODEL_DRAFTS
 
     options = options_from_args(args)
     for spec in (options.target, options.draft):
@@ -274,8 +274,8 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
     """Where the start-up went: this process's phases, then a replica's engine stages (from /v1/models)."""
     import httpx
 
-    from specdec.calibration import describe
-    from specdec.startup import summary
+    from specdec.kernels.calibration import describe
+    from specdec.engine.startup import summary
 
     line = f"start-up: {summary(phases)}"
     try:

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from actors.config import DRAFT_PLACEMENTS, RayEngineConfig, RolePlacement
 from specdec.config import DRAFT_PRECISIONS as DRAFT_QUANTIZATIONS, SAMPLING_MODES, EngineConfig, env
-from specdec.kernels import LINEAR_KERNELS
-from specdec.presets import DEFAULT_TARGET, short_name, suggest_draft
+from specdec.kernels.linear import LINEAR_KERNELS
+from specdec.models.presets import DEFAULT_TARGET, short_name, suggest_draft
 
 
 class RoleOptions(BaseModel):
@@ -88,7 +88,7 @@ class ServeOptions(BaseModel):
     def _generation_config(cls, value: str) -> str:
         from pathlib import Path
 
-        from specdec.generation_defaults import MODES
+        from specdec.models.generation_defaults import MODES
 
         if value not in MODES and not (Path(value).expanduser() / "generation_config.json").is_file():
             raise ValueError(f"must be one of {', '.join(MODES)} or a directory holding generation_config.json, "

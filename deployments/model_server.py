@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from actors.builder import prepare_models
 from actors.coordinator import Coordinator
 from deployments.config import ServeOptions
-from specdec.generation_defaults import sampling_defaults
-from specdec.request import GenerationRequest
-from specdec.sequence import StreamChunk
+from specdec.models.generation_defaults import sampling_defaults
+from specdec.engine.request import GenerationRequest
+from specdec.engine.request_state import StreamChunk
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ModelServer:
         logger.info("engine ready: %s", self.info)
 
     async def generate(self, **fields) -> AsyncIterator[StreamChunk]:
-        """Stream one request; `fields` are those of `specdec.request.GenerationRequest`. Concurrent
+        """Stream one request; `fields` are those of `specdec.engine.request.GenerationRequest`. Concurrent
         requests of this replica are batched by its engine (up to `max_ongoing_requests` per step)."""
         stream = self.coordinator.generate_stream(GenerationRequest(**fields))
         async with contextlib.aclosing(stream):  # a cancelled or closed stream frees the request at once

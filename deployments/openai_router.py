@@ -40,8 +40,8 @@ from deployments.protocol import (
     ModelList, SamplingRequest, ToolCallDelta, Usage, chat_logprobs, completion_logprobs, new_id, now,
 )
 from deployments.tool_calls import StreamParser, parse
-from specdec.sequence import GenerationOutput, StreamChunk
-from specdec.stats import SpeculativeStats
+from specdec.engine.request_state import GenerationOutput, StreamChunk
+from specdec.decoding.stats import SpeculativeStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 
 Field names and defaults follow OpenAI's API (temperature 1, top_p 1; completions max_tokens 16,
 chat until EOS or the end of the context), except that the fields a request omits may take the
-model's own defaults (`specdec.generation_defaults`, applied by `SamplingRequest.sampling`).
+model's own defaults (`specdec.models.generation_defaults`, applied by `SamplingRequest.sampling`).
 Extensions, as vLLM has them: `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `structured_outputs` ({"json" | "json_object" | "regex" | "choice" | "grammar": ...})
 and `speculative` ({"num_speculative_tokens": int | "auto" | 0, "pipeline": bool, "sampling":
@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 
-from specdec import structured_output
+from specdec.decoding import structured_output
 from specdec.config import MAX_LOGPROBS, SAMPLING_MODES, SamplingParams
-from specdec.structured_output import Constraint
+from specdec.decoding.structured_output import Constraint
 
 # --------------------------------------------------------------------------- unsupported parameters
 
@@ -200,7 +200,7 @@ class SamplingRequest(StrictModel):
 
     def sampling(self, index: int = 0, defaults: dict | None = None) -> SamplingParams:
         """The core's parameters for choice `index` (its seed is seed + index). `defaults`: the model's
-        values (`specdec.generation_defaults`) for the fields this request did not send."""
+        values (`specdec.models.generation_defaults`) for the fields this request did not send."""
         defaults = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         if self.effective_max_tokens_given:
             defaults.pop("max_tokens", None)

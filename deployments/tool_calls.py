@@ -9,7 +9,7 @@ so far, `hermes` (vLLM's name), which Qwen2.5/Qwen3 and Hermes models write:
     </tool_call>
 
 `tool_choice: "required"` or a named function is enforced with structured output
-(`specdec.structured_output`): a Lark grammar of the same format whose JSON is constrained to the
+(`specdec.decoding.structured_output`): a Lark grammar of the same format whose JSON is constrained to the
 functions' names and parameter schemas, so the constrained text is what the model would write
 anyway (high acceptance) and goes through the same parser.
 """
@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from specdec.structured_output import JSON_LAYOUT, Constraint
+from specdec.decoding.structured_output import JSON_LAYOUT, Constraint
 
 #: The tool-call formats this server parses (`--tool-call-parser`).
 PARSERS = ("hermes", "none")

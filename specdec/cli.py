@@ -18,7 +18,7 @@ import logging
 import sys
 
 from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES, quiet_libraries
-from specdec.presets import DEFAULT_TARGET
+from specdec.models.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
 
@@ -188,7 +188,7 @@ def _load_plugins(subparsers, generate_parser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from specdec.config import EngineConfig
 
-    from specdec.presets import suggest_draft
+    from specdec.models.presets import suggest_draft
 
     return EngineConfig(
         target=args.target,
@@ -235,7 +235,7 @@ def _constraint(args: argparse.Namespace):
     import json
     from pathlib import Path
 
-    from specdec.structured_output import Constraint, validate
+    from specdec.decoding.structured_output import Constraint, validate
 
     if args.json_schema is not None:
         path = Path(args.json_schema).expanduser()
@@ -285,7 +285,7 @@ def summary_line(out) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import SpeculativeEngine
+    from specdec.engine.local import SpeculativeEngine
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -312,8 +312,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from specdec import model_cache
-    from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET, PRESETS
+    from specdec.models import model_cache
+    from specdec.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, PRESETS
 
     rows = [("NAME", "PARAMS", "GGUF", "DOWNLOAD", "FAMILY", "CACHED", "DRAFT")]
     for p in PRESETS.values():
@@ -329,8 +329,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from specdec import model_cache
-    from specdec.presets import get_preset
+    from specdec.models import model_cache
+    from specdec.models.presets import get_preset
 
     get_preset(args.name)  # unknown names fail before anything is fetched
     path = model_cache.pull(args.name, force=args.force)
@@ -339,8 +339,8 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_rm(args: argparse.Namespace) -> int:
-    from specdec import model_cache
-    from specdec.presets import get_preset
+    from specdec.models import model_cache
+    from specdec.models.presets import get_preset
 
     get_preset(args.name)
     if not model_cache.remove(args.name):
@@ -352,9 +352,9 @@ def cmd_models_rm(args: argparse.Namespace) -> int:
 def cmd_models_calibrate(args: argparse.Namespace) -> int:
     import os
 
-    from specdec.calibration import RECALIBRATE_ENV, describe
-    from specdec.cpu import cpu_info
-    from specdec.engine import SpeculativeEngine
+    from specdec.kernels.calibration import RECALIBRATE_ENV, describe
+    from specdec.kernels.cpu import cpu_info
+    from specdec.engine.local import SpeculativeEngine
 
     config = engine_config_from_args(args)
     if config.linear_kernel != "auto" and config.draft_quantization != "auto":
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s")
     if logging.getLogger().level == logging.WARNING:  # the default: still show where start-up time goes
-        logging.getLogger("specdec.startup").setLevel(logging.INFO)
+        logging.getLogger("specdec.engine.startup").setLevel(logging.INFO)
     quiet_libraries()
     try:
         return args.func(args)

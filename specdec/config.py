@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from specdec.structured_output import Constraint
+from specdec.decoding.structured_output import Constraint
 
 #: Temperatures below this sample greedily, as vLLM does: dividing logits by a smaller one overflows
 #: float32 (every probability becomes NaN), and the limit of T -> 0 is the argmax anyway.
@@ -188,7 +188,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     ngram_min: int = 1
     ngram_max: int = 4
-    # Kernels (see kernels.py): how the target's linear layers run, and whether the draft is quantized.
+    # Kernels (see kernels/linear.py): how the target's linear layers run, and whether the draft is quantized.
     linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
     draft_quantization: str = "auto"  # auto (measured, on CPU) | none | float32 | bfloat16 | int8 | int8-weight
     # The draft proposes from the N most frequent tokens (FR-Spec; None: the whole vocabulary).
@@ -229,7 +229,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.num_threads!r}")
-        from specdec.kernels import LINEAR_KERNELS
+        from specdec.kernels.linear import LINEAR_KERNELS
 
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {self.linear_kernel!r}")

@@ -126,14 +126,14 @@ def trust_any_machine(monkeypatch):
     """Calibration caches whatever it measures: for tests of what happens to a cached decision, on
     tiny models whose millisecond timings a busy CI box makes noisy (the load detection and the
     physical checks have their own tests in tests/specdec/test_calibration.py)."""
-    import specdec.calibration
-    import specdec.draft_precision
-    import specdec.kernels
+    import specdec.kernels.calibration
+    import specdec.kernels.draft_precision
+    import specdec.kernels.linear
 
-    monkeypatch.setattr(specdec.calibration, "MAX_OTHERS_CORES", float("inf"))
-    monkeypatch.setattr(specdec.calibration, "MAX_SPREAD", float("inf"))
-    monkeypatch.setattr(specdec.draft_precision, "cost_bound", lambda size_ratio: float("inf"))
-    monkeypatch.setattr(specdec.kernels, "_kernel_problems", lambda minima: [])
+    monkeypatch.setattr(specdec.kernels.calibration, "MAX_OTHERS_CORES", float("inf"))
+    monkeypatch.setattr(specdec.kernels.calibration, "MAX_SPREAD", float("inf"))
+    monkeypatch.setattr(specdec.kernels.draft_precision, "cost_bound", lambda size_ratio: float("inf"))
+    monkeypatch.setattr(specdec.kernels.linear, "_kernel_problems", lambda minima: [])
 
 
 def start_session_ray() -> None:

@@ -65,7 +65,7 @@ def hf_scores(scores: torch.Tensor, sequences: torch.Tensor, params: SamplingPar
 
 
 def _next_token_probs(model, sequences: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    from specdec.kernels import stock_linears
+    from specdec.kernels.linear import stock_linears
 
     with torch.no_grad(), stock_linears(model):
         scores = model(sequences).logits[:, -1].float()  # [num_sequences, vocab]

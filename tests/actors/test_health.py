@@ -2,7 +2,7 @@
 outlasts the stall window but keeps finishing layers is healthy, a forward wedged without progress
 fails the check within the stall limit, and a killed shard fails it at once.
 
-Slowness and wedges come from the test hooks of `specdec.progress` (a sleep after every decoder
+Slowness and wedges come from the test hooks of `specdec.engine.progress` (a sleep after every decoder
 layer; a layer that blocks forever), set on the shard actor through `__ray_call__` once its model
 is loaded, so the request is held at the point of the fault."""
 

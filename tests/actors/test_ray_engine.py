@@ -10,7 +10,7 @@ import torch
 
 from actors import RayEngineConfig, RolePlacement, build_ray_engine
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
-from specdec.kernels import stock_linears
+from specdec.kernels.linear import stock_linears
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 20, 30, 10, 20, 30, 10, 20]]
 MAX_TOKENS = 40

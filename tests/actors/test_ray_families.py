@@ -7,7 +7,7 @@ import pytest
 
 from actors import RayEngineConfig, RolePlacement, build_ray_engine
 from specdec import EngineConfig, SamplingParams
-from specdec.request import GenerationRequest
+from specdec.engine.request import GenerationRequest
 from tests.tiny_models import hf_greedy_references, make_family_pair
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 20, 30, 10, 20, 30, 10, 20]]

@@ -367,7 +367,7 @@ IDLE_S = 60.0
 def test_every_dashboard_query_has_data_a_minute_after_the_last_request(server, prometheus, queries):
     """The gauges too (requests running and waiting, KV-cache tokens, K, the engine info): each engine
     re-sets them, and they read idle. The tests above ran during the minute."""
-    from specdec.cpu import cpu_info
+    from specdec.kernels.cpu import cpu_info
 
     assert server.last_request is not None, "test_every_dashboard_query_is_live_in_a_real_prometheus sends traffic"
     time.sleep(max(0.0, server.last_request + IDLE_S - time.monotonic()))

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.request import GenerationRequest
-from specdec.structured_output import Constraint
+from specdec.engine.request import GenerationRequest
+from specdec.decoding.structured_output import Constraint
 from tests.deployments.processes import free_port
 from tests.deployments.test_openai_api import _builder_and_args
 

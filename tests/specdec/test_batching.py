@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.kernels import stock_linears
-from specdec.request import GenerationRequest
+from specdec.kernels.linear import stock_linears
+from specdec.engine.request import GenerationRequest
 
 # Different lengths (1 to 19 tokens) and contents, so a row mix-up changes someone's output.
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 20, 30, 10, 20, 30, 10, 20], [40, 41], list(range(50, 69)), [7, 7, 7, 7]]

@@ -1,4 +1,4 @@
-"""Load-time calibration (specdec/calibration.py): what it does on a busy machine, what it caches,
+"""Load-time calibration (specdec/kernels/calibration.py): what it does on a busy machine, what it caches,
 and how serving re-checks it. The decisions are compared, never the timings."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-import specdec.calibration
+import specdec.kernels.calibration
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.calibration import LoadMonitor, RuntimeCheck, calibrate
-from specdec.cpu import cpu_info
-from specdec.draft_precision import candidates_here, cost_bound
+from specdec.kernels.calibration import LoadMonitor, RuntimeCheck, calibrate
+from specdec.kernels.cpu import cpu_info
+from specdec.kernels.draft_precision import candidates_here, cost_bound
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_load_monitor_sees_other_processes_and_not_its_own_work():
     with BusyLoops(2):
         loaded = _others_while(lambda: time.sleep(0.05))
     assert loaded > min(1.5, 0.75 * (os.cpu_count() or 2))  # busy loops on the cores while we slept
-    assert loaded > specdec.calibration.MAX_OTHERS_CORES
+    assert loaded > specdec.kernels.calibration.MAX_OTHERS_CORES
 
 
 def test_calibrate_takes_each_candidates_minimum_and_retries_when_inconsistent(trust_any_machine):
@@ -124,7 +124,7 @@ def test_calibration_under_two_busy_loops_matches_a_quiet_one_or_refuses_to_cach
     quiet_choice = {"linear-kernel": quiet.linear_kernel, "draft-precision": quiet.draft_quantization}
     for path in (private_cache / "calibration").glob("*.json"):
         path.unlink()  # measure again under load, from nothing
-    with BusyLoops(2), caplog.at_level(logging.WARNING, logger="specdec.calibration"):
+    with BusyLoops(2), caplog.at_level(logging.WARNING, logger="specdec.kernels.calibration"):
         busy = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft),
                                                  num_speculative_tokens="auto")
     busy_choice = {"linear-kernel": busy.linear_kernel, "draft-precision": busy.draft_quantization}
@@ -157,7 +157,7 @@ def test_a_cached_choice_that_serving_contradicts_is_measured_again_next_start(
     second = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft),
                                                num_speculative_tokens="auto", linear_kernel="onednn")
     assert second.draft_calibration == []  # the cached decision was used
-    with caplog.at_level(logging.WARNING, logger="specdec.calibration"):
+    with caplog.at_level(logging.WARNING, logger="specdec.kernels.calibration"):
         for seed in range(4):
             second.generate(prompt_token_ids=[1, 2, 3, 4, 5 + seed], sampling=SamplingParams(max_tokens=24))
     second.shutdown()
@@ -199,8 +199,8 @@ def test_models_calibrate_measures_again_and_reports(tiny_llama, tiny_llama_draf
 
 def test_figures_that_stay_impossible_fall_back_to_the_cpu_class_prior_and_are_not_cached(
         tiny_llama, tiny_llama_draft, private_cache, monkeypatch, caplog):
-    import specdec.draft_precision as dp
-    from specdec.models import load_model
+    import specdec.kernels.draft_precision as dp
+    from specdec.models.loading import load_model
 
     monkeypatch.setattr(dp, "cost_bound", lambda size_ratio: 0.0)  # no draft may cost anything: never consistent
     target, draft = load_model(str(tiny_llama)), load_model(str(tiny_llama_draft))

@@ -163,7 +163,7 @@ def test_seeded_sampling_from_the_command_line_is_the_target_only_text(tiny_llam
 
 def test_generate_with_a_json_schema_and_a_choice(tiny_bpe_pair, capsys):
     from specdec import SamplingParams, SpeculativeEngine
-    from specdec.structured_output import Constraint
+    from specdec.decoding.structured_output import Constraint
 
     target, draft = tiny_bpe_pair
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}

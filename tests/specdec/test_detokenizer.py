@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.detokenizer import IncrementalDetokenizer
+from specdec.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["naïve café — 東京タワー 🚀🎉 done", "🤖 emoji 👩‍💻 with joiners and ∑ maths ≤ ≥"]
 

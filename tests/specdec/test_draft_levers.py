@@ -9,14 +9,14 @@ the kept tokens), by the chi-square test of `test_lossless_sampling.py`, with it
 import pytest
 import torch
 
-import specdec.draft_vocab
-import specdec.proposers.model
-import specdec.sampling
+import specdec.models.draft_vocab
+import specdec.decoding.proposers.model
+import specdec.decoding.sampling
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.draft_precision import (Measurement, candidates_here, choose_precision, expected_speedup,
+from specdec.kernels.draft_precision import (Measurement, candidates_here, choose_precision, expected_speedup,
                                      pick, prepare_draft)
-from specdec.draft_vocab import ReducedVocabHead, draft_token_ids
-from specdec.models import load_model
+from specdec.models.draft_vocab import ReducedVocabHead, draft_token_ids
+from specdec.models.loading import load_model
 from tests.distribution import chi_square_pvalue, exact_pair_distribution, sample_pair
 from tests.specdec.test_lossless_sampling import T1, assert_exercises_both_paths
 
@@ -117,7 +117,7 @@ def test_draft_vocabulary_ranks_by_frequency_and_keeps_special_tokens(private_ca
     ids = draft_token_ids(tok, 50, 5)
     assert 0 in ids.tolist()  # <eos>, a special token
     assert len(ids) <= 6 and ids.tolist() == sorted(ids.tolist())
-    ranking = specdec.draft_vocab.frequency_ranking(tok, 50)
+    ranking = specdec.models.draft_vocab.frequency_ranking(tok, 50)
     assert sorted(ranking) == list(range(50))
     assert list(private_cache.glob("vocab/*.json"))  # computed once, then read from the cache
     with pytest.raises(ValueError, match="draft vocabulary size"):
@@ -167,7 +167,7 @@ NUM_KEPT = 4
 def _run_reduced(pair, monkeypatch):
     from tests.distribution import VOCAB
 
-    monkeypatch.setattr(specdec.draft_vocab, "frequency_ranking", lambda tokenizer, vocab_size: RANKING[:VOCAB])
+    monkeypatch.setattr(specdec.models.draft_vocab, "frequency_ranking", lambda tokenizer, vocab_size: RANKING[:VOCAB])
     target, draft = pair
     engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=2,
                                                draft_quantization="none", draft_vocab_size=NUM_KEPT)
@@ -192,13 +192,13 @@ def test_unrenormalized_draft_q_is_detected(small_vocab_pair, monkeypatch):
     def leaky_choose(logits, sampling, position, purpose="draft", prefix=()):
         finite = torch.isfinite(logits)
         leaked = torch.where(finite, logits, logits[finite].min() + 2.0)  # the excluded tokens keep some mass
-        q = specdec.sampling.logits_to_probs(leaked, sampling)[0]
+        q = specdec.decoding.sampling.logits_to_probs(leaked, sampling)[0]
         mask = torch.zeros_like(q)
         mask[kept_ids["ids"]] = 1.0
         restricted = q * mask / (q * mask).sum()  # drawn from the kept tokens, reported as the full q
-        return specdec.sampling.draw(restricted, specdec.sampling.uniform(sampling.seed, purpose, position)), q
+        return specdec.decoding.sampling.draw(restricted, specdec.decoding.sampling.uniform(sampling.seed, purpose, position)), q
 
-    monkeypatch.setattr(specdec.proposers.model, "choose", leaky_choose)
+    monkeypatch.setattr(specdec.decoding.proposers.model, "choose", leaky_choose)
     from tests.distribution import VOCAB
 
     kept_ids["ids"] = torch.tensor(sorted(RANKING[:NUM_KEPT]))[torch.tensor(sorted(RANKING[:NUM_KEPT])) < VOCAB]

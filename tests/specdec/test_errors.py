@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
-from specdec.models import ModelLoadError, load_model
+from specdec.models.loading import ModelLoadError, load_model
 
 
 @pytest.mark.parametrize("kwargs, match", [

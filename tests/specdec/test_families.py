@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.model_runner import ModelRunner
-from specdec.models import load_model
-from specdec.request import GenerationRequest
+from specdec.models.model_runner import ModelRunner
+from specdec.models.loading import load_model
+from specdec.engine.request import GenerationRequest
 from tests.tiny_models import FAMILIES, TINY_WINDOW, hf_greedy_references, make_family_pair
 
 PROMPTS = [list(range(5, 24)), [3, 4], [10, 20, 30, 10, 20, 30, 10, 20, 11], [40, 41, 42, 43, 44]]
@@ -30,7 +30,7 @@ ROLLBACK = 12
 
 @pytest.fixture(autouse=True)
 def small_rollback(monkeypatch):
-    monkeypatch.setattr("specdec.kv_cache.ROLLBACK_TOKENS", ROLLBACK)
+    monkeypatch.setattr("specdec.models.kv_cache.ROLLBACK_TOKENS", ROLLBACK)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.kernels import KERNEL_CANDIDATES
+from specdec.kernels.linear import KERNEL_CANDIDATES
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 20, 30, 10, 20, 30, 10, 20]]
 MAX_TOKENS = 48

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.draft_precision import prepare_draft
-from specdec.kernels import PackedLinear, pack_linears, stock_linears
-from specdec.models import load_model
+from specdec.kernels.draft_precision import prepare_draft
+from specdec.kernels.linear import PackedLinear, pack_linears, stock_linears
+from specdec.models.loading import load_model
 
 
 @pytest.mark.parametrize("keep_weight,small_batch_mkl", [(True, True), (True, False), (False, False)],

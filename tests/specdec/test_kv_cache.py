@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from specdec import SamplingParams
-from specdec.model_runner import ModelRunner
-from specdec.models import load_model
-from specdec.proposers import DraftModelProposer
+from specdec.models.model_runner import ModelRunner
+from specdec.models.loading import load_model
+from specdec.decoding.proposers import DraftModelProposer
 
 
 def assert_caches_close(a, b):

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import specdec.verify
+import specdec.decoding.verify
 from specdec import SamplingParams, SpeculativeEngine
 from tests.distribution import (OpenAIPenalties, chi_square_pvalue, exact_pair_distribution, hf_scores,
                                 sample_pair)
@@ -141,8 +141,8 @@ PENALIZED = SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_pen
 def _from_committed_only(self, j):
     """Bug: every row's penalties counted from the committed prefix, not the proposed tokens before it."""
     if j not in self.rows:
-        row = specdec.verify.process(self.logits[j : j + 1], self.sampling, self.prefix)
-        self.rows[j] = specdec.verify.warp_logits(row, self.sampling)[0]
+        row = specdec.decoding.verify.process(self.logits[j : j + 1], self.sampling, self.prefix)
+        self.rows[j] = specdec.decoding.verify.warp_logits(row, self.sampling)[0]
     return self.rows[j]
 
 
@@ -152,7 +152,7 @@ def test_penalized_sampling_follows_the_processed_target(small_vocab_pair, monke
     target, draft = small_vocab_pair
     params = PENALIZED.replace(speculative_sampling=mode)
     if bug:
-        monkeypatch.setattr(specdec.verify.RowScores, "__call__", _from_committed_only)
+        monkeypatch.setattr(specdec.decoding.verify.RowScores, "__call__", _from_committed_only)
     engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=2)
     exact = exact_pair_distribution(engine.target_model.model, params, first=1)
     counts, acceptance, _ = sample_pair(engine, params, max_tokens=3, num_samples=2000, first=1)

@@ -21,12 +21,12 @@ import dataclasses
 import pytest
 import torch
 
-import specdec.sampling
-import specdec.scheduler
-import specdec.verify
-from specdec.proposers.model import DraftModelProposer
+import specdec.decoding.sampling
+import specdec.engine.scheduler
+import specdec.decoding.verify
+from specdec.decoding.proposers.model import DraftModelProposer
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.proposers import Proposal
+from specdec.decoding.proposers import Proposal
 from tests.distribution import chi_square_pvalue, exact_pair_distribution, sample_pair
 
 NUM_SAMPLES = 2000
@@ -111,7 +111,7 @@ def test_target_only_invariant_sampling_follows_the_target(small_vocab_pair):
 def as_unseeded(monkeypatch) -> None:
     """Treat the test's seeded requests as the engine treats unseeded ones (seeded residual rows do
     not pipeline: `Scheduler._pin`), keeping the test deterministic."""
-    monkeypatch.setattr(specdec.scheduler.Scheduler, "_pin", staticmethod(lambda sampling, seeded, policy:
+    monkeypatch.setattr(specdec.engine.scheduler.Scheduler, "_pin", staticmethod(lambda sampling, seeded, policy:
                                                                           (False, policy)))
 
 
@@ -127,11 +127,11 @@ def _shifted_block(early: Proposal) -> Proposal:
     return Proposal(early.token_ids[1:], early.probs[:-1] if early.probs is not None else None)
 
 
-def _correlated_uniform(seed, purpose, position, _uniform=specdec.sampling.uniform):
+def _correlated_uniform(seed, purpose, position, _uniform=specdec.decoding.sampling.uniform):
     return _uniform(seed, "accept", position)  # the draft's, the acceptance's and the resample's numbers are one
 
 
-def _top_p_then_top_k(logits, params, _warp=specdec.sampling.warp_logits):
+def _top_p_then_top_k(logits, params, _warp=specdec.decoding.sampling.warp_logits):
     scores = _warp(logits, params.replace(top_k=0))
     return _warp(scores, params.replace(top_p=1.0, temperature=1.0))
 
@@ -148,22 +148,22 @@ def _neighbours_q(propose_batch=DraftModelProposer.propose_batch):
     return broken
 
 
-def _noise_shared_across_positions(seed, position, token_ids, _noise=specdec.sampling.gumbel_noise):
+def _noise_shared_across_positions(seed, position, token_ids, _noise=specdec.decoding.sampling.gumbel_noise):
     return _noise(seed, 0, token_ids)
 
 
 BUGS = {
     # The classic bug: on rejection, draw from p instead of normalize(max(0, p - q)).
-    "resample_from_target": (specdec.verify, "recovered_distribution", lambda p, q: p),
-    "accept_always": (specdec.verify, "accept_probability", lambda p, q: torch.ones_like(p)),
-    "bonus_from_row_k-1": (specdec.verify, "bonus_distribution", lambda row, k: row(k - 1)),
-    "predraft_q_shifted": (specdec.scheduler, "pre_drafted_block", _shifted_block),
-    "draft_verify_correlated": [(specdec.sampling, "uniform", _correlated_uniform),
-                                (specdec.verify, "uniform", _correlated_uniform)],
-    "topp_before_topk": [(specdec.sampling, "warp_logits", _top_p_then_top_k),
-                         (specdec.verify, "warp_logits", _top_p_then_top_k)],
+    "resample_from_target": (specdec.decoding.verify, "recovered_distribution", lambda p, q: p),
+    "accept_always": (specdec.decoding.verify, "accept_probability", lambda p, q: torch.ones_like(p)),
+    "bonus_from_row_k-1": (specdec.decoding.verify, "bonus_distribution", lambda row, k: row(k - 1)),
+    "predraft_q_shifted": (specdec.engine.scheduler, "pre_drafted_block", _shifted_block),
+    "draft_verify_correlated": [(specdec.decoding.sampling, "uniform", _correlated_uniform),
+                                (specdec.decoding.verify, "uniform", _correlated_uniform)],
+    "topp_before_topk": [(specdec.decoding.sampling, "warp_logits", _top_p_then_top_k),
+                         (specdec.decoding.verify, "warp_logits", _top_p_then_top_k)],
     "q_from_batch_neighbour": (DraftModelProposer, "propose_batch", _neighbours_q()),
-    "noise_shared_across_positions": (specdec.sampling, "gumbel_noise", _noise_shared_across_positions),
+    "noise_shared_across_positions": (specdec.decoding.sampling, "gumbel_noise", _noise_shared_across_positions),
 }
 
 

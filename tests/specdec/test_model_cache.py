@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import SamplingParams, SpeculativeEngine, model_cache
+from specdec import SamplingParams, SpeculativeEngine
+
+from specdec.models import model_cache
 from specdec.cli import main
-from specdec.models import ModelLoadError, load_model
-from specdec.presets import PRESETS, Preset, WheelPart, suggest_draft
+from specdec.models.loading import ModelLoadError, load_model
+from specdec.models.presets import PRESETS, Preset, WheelPart, suggest_draft
 
 
 def make_wheel(directory: Path, package: str, version: str, member: str, data: bytes) -> Path:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdec.cli import main
-from specdec.models import ModelLoadError, load_model
+from specdec.models.loading import ModelLoadError, load_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Prompt-lookup proposals."""
 
-from specdec.proposers import find_continuation
+from specdec.decoding.proposers import find_continuation
 
 
 def test_longest_suffix_match_proposes_what_followed():

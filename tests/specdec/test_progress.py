@@ -1,12 +1,12 @@
-"""Forward progress (`specdec/progress.py`): every decoder layer of a forward is counted, also on
+"""Forward progress (`specdec/engine/progress.py`): every decoder layer of a forward is counted, also on
 a target whose linears are prepacked; models without decoder layers count their linears; the test
 hooks come from the environment."""
 
 import torch
 
-from specdec.kernels import PackedLinear
-from specdec.models import load_model
-from specdec.progress import ForwardProgress, progress_modules
+from specdec.kernels.linear import PackedLinear
+from specdec.models.loading import load_model
+from specdec.engine.progress import ForwardProgress, progress_modules
 
 
 def test_counts_every_decoder_layer_of_a_forward(tiny_llama):

@@ -8,8 +8,8 @@ import torch
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.config import EngineConfig
-from specdec.kernels import stock_linears
-from specdec.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.kernels.linear import stock_linears
+from specdec.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,8 @@ def test_tools_and_json_schema_on_the_real_pair(engines):
 
     from deployments.protocol import ChatCompletionRequest
     from deployments.tool_calls import parse
-    from specdec.request import GenerationRequest
-    from specdec.structured_output import Constraint
+    from specdec.engine.request import GenerationRequest
+    from specdec.decoding.structured_output import Constraint
 
     spec, _ = engines
     messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]

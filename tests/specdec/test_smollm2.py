@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.kernels import stock_linears
+from specdec.kernels.linear import stock_linears
 
 PROMPT = "Write a Python function that checks whether a number is prime.\n\ndef is_prime(n):"
 MAX_TOKENS = 72
@@ -62,7 +62,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(engine):
 def test_batched_greedy_equals_hf_generate_alone(engine, reference):
     """A real model in a batch: prompts of different lengths decoded together, each equal to HF
     `generate()` of that prompt alone (the first one against the module's reference)."""
-    from specdec.request import GenerationRequest
+    from specdec.engine.request import GenerationRequest
 
     others = ["def fibonacci(n):", "# Sort a list of dictionaries by the key 'age'\n"]
     model = engine.target_model.model

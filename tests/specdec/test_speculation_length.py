@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.speculation_length import AutoK, CostModel, expected_tokens, theoretical_speedup
+from specdec.decoding.speculation_length import AutoK, CostModel, expected_tokens, theoretical_speedup
 
 
 def test_expected_tokens_and_speedup_formula():

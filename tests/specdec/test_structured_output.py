@@ -17,10 +17,10 @@ import json
 import pytest
 import torch
 
-import specdec.scheduler
-import specdec.verify
+import specdec.engine.scheduler
+import specdec.decoding.verify
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.structured_output import Constraint, ConstraintError, grammar_text
+from specdec.decoding.structured_output import Constraint, ConstraintError, grammar_text
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6},
                                            "ok": {"type": "boolean"}},
@@ -96,7 +96,7 @@ def _hf_constrained(model, tokenizer, prompt_ids, constraint):
 def _row_masked_from_committed_only(self, j):
     """Bug: every verified row masked as if no proposed token came before it."""
     if j not in self.rows:
-        self.rows[j] = specdec.verify.process(self.logits[j : j + 1], self.sampling, self.prefix)[0]
+        self.rows[j] = specdec.decoding.verify.process(self.logits[j : j + 1], self.sampling, self.prefix)[0]
     return self.rows[j]
 
 
@@ -105,7 +105,7 @@ def test_greedy_equals_hf_generate_with_a_fresh_matcher(engine, hf_target, bug, 
     tokenizer = engine.tokenizer
     differ, proposed, accepted = 0, 0, 0
     if bug:
-        monkeypatch.setattr(specdec.verify.RowScores, "__call__", _row_masked_from_committed_only)
+        monkeypatch.setattr(specdec.decoding.verify.RowScores, "__call__", _row_masked_from_committed_only)
     for name, constraint in CONSTRAINTS.items():
         for prompt in PROMPTS:
             ids = engine.tokenize(prompt)
@@ -150,7 +150,7 @@ def test_invariant_sampling_gives_the_target_only_text(engine, name):
 def test_batched_requests_keep_their_own_constraints(engine):
     requests = [(PROMPTS[0], CONSTRAINTS["json_schema"]), (PROMPTS[1], CONSTRAINTS["json_schema"]),
                 (PROMPTS[2], CONSTRAINTS["regex"]), (PROMPTS[3], None), (PROMPTS[0], CONSTRAINTS["json_schema"])]
-    from specdec.request import GenerationRequest
+    from specdec.engine.request import GenerationRequest
 
     params = [SamplingParams(max_tokens=TOKENS, structured=c, temperature=t, seed=3)
               for (_, c), t in zip(requests, (0.0, 1.0, 0.0, 0.0, 1.0))]
@@ -165,13 +165,13 @@ def test_draft_proposals_follow_the_grammar(engine, monkeypatch):
     constraint = CONSTRAINTS["json_schema"]
     tok = _llg_tokenizer(engine.tokenizer, engine.target.vocab_size, 2)
     seen = []
-    real = specdec.scheduler.verify.verify_proposal
+    real = specdec.engine.scheduler.verify.verify_proposal
 
     def spy(draft_token_ids, draft_probs, target_logits, sampling, position, prefix=()):
         seen.append((list(prefix[sampling.prompt_length:]), list(draft_token_ids)))
         return real(draft_token_ids, draft_probs, target_logits, sampling, position, prefix)
 
-    monkeypatch.setattr(specdec.scheduler.verify, "verify_proposal", spy)
+    monkeypatch.setattr(specdec.engine.scheduler.verify, "verify_proposal", spy)
     for prompt in PROMPTS:
         engine.generate(prompt, sampling=SamplingParams(max_tokens=TOKENS, structured=constraint))
     assert sum(len(d) for _, d in seen) > 10
@@ -222,8 +222,8 @@ def test_an_added_non_special_token_is_masked_consistently(bpe_tokenizer):
     never offers a token the matcher refuses; a Lark literal of the token's text accepts the token."""
     import copy
 
-    from specdec import structured_output
-    from specdec.structured_output import Vocabulary
+    from specdec.decoding import structured_output
+    from specdec.decoding.structured_output import Vocabulary
 
     tokenizer = copy.deepcopy(bpe_tokenizer)
     tokenizer.add_tokens(["<tool_call>"])  # special=False, as in Qwen2.5's tokenizer.json

@@ -6,9 +6,9 @@ import torch
 from scipy import stats
 
 from specdec.config import SamplingParams
-from specdec import sampling
-from specdec.sampling import logits_to_probs
-from specdec.verify import verify_greedy, verify_proposal, verify_sampled
+from specdec.decoding import sampling
+from specdec.decoding.sampling import logits_to_probs
+from specdec.decoding.verify import verify_greedy, verify_proposal, verify_sampled
 
 V = 6
 

@@ -1,0 +1,52 @@
+"""The seams between the scheduler and the models: what a target and a draft backend must do.
+
+The scheduler (`specdec.engine.scheduler`) runs the algorithm once; backends only move its inputs and
+outputs. In process they are `engine.LocalTarget`/`LocalDraft` over the core's pools; on Ray,
+`actors.coordinator` sends the same calls to the target shards and the draft worker. Calls are
+submitted and then waited on (`submit_*` returns a zero-argument function giving the results), so a
+remote draft can pre-draft while the target verifies. Each result list has one slot per row: the
+row's result, or the exception that failed that row alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from specdec.engine.pools import DraftRow, TargetRow
+
+
+@dataclass(frozen=True)
+class DraftCapabilities:
+    """What a draft backend can do, declared once instead of probed with `getattr`."""
+
+    #: It runs beside the target (a process of its own): pre-drafting overlaps the verify.
+    concurrent: bool = False
+    #: Pre-draft by default (a request may say otherwise); only meaningful when `concurrent`.
+    pipeline: bool = False
+    #: Each proposed token costs a draft forward (a draft model); False: a model-free lookup paid
+    #: once per step whatever K (n-gram).
+    per_token: bool = True
+
+
+class TargetBackend(Protocol):
+    def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], list]:
+        """One batched forward; per row: argmax ids `[num_logits]` (greedy), logits
+        `[num_logits, vocab]`, or an exception."""
+
+    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[list[int]]:
+        """Rewind each (request id, length); per row, the cache length on each shard afterwards."""
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Free these requests' caches."""
+
+
+class DraftBackend(Protocol):
+    capabilities: DraftCapabilities
+
+    def submit_propose(self, rows: Sequence[DraftRow]) -> Callable[[], list]:
+        """One batched proposal; per row a `Proposal` or an exception."""
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Free these requests' draft states."""

@@ -1,0 +1,269 @@
+"""The in-process speculative decoding engine: models, proposer and the batch scheduler in one process.
+
+    engine = SpeculativeEngine.from_pretrained(target="path/or.gguf", draft="ngram", num_speculative_tokens=4)
+    out = engine.generate(prompt="def fib(n):", sampling=SamplingParams(max_tokens=64))
+    outs = engine.generate_batch(["def fib(n):", "def sort(xs):"])   # decoded together, one batch
+
+One step (cf. gpt-fast `speculative_decode`, Leviathan et al. arXiv 2211.17192), for every request
+of the running batch at once (`scheduler.py`):
+1. the proposer proposes up to K tokens after the committed sequence;
+2. the target runs ONE forward over [last committed token, proposals] -> K+1 distributions;
+3. verification accepts a prefix and emits a recovered or bonus token (`verify.py`);
+4. the tokens are committed through the stopping rules (`request_state.py`);
+5. the target cache is rewound to the committed length minus one (the last committed token is the
+   next step's first input) and the draft cache to the committed prefix it shares.
+The prefill covers the prompt minus its last token, so the first step already speculates.
+K = 0 (draft `none`, or k=auto falling back) is plain target decoding through the same loop.
+
+Concurrent `generate` / `generate_stream` calls (threads) share one scheduler, driven by one
+background thread: they are batched, up to `max_batch_size` requests per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from specdec.engine import startup
+from specdec.engine.backends import DraftCapabilities
+from specdec.config import EngineConfig, SamplingParams
+from specdec.engine.draft import build_draft
+from specdec.kernels.calibration import runtime_check, summarize
+from specdec.kernels.linear import VERIFY_TOKENS, prepare_target, settle_linear_kernel
+from specdec.models.model_runner import ModelRunner
+from specdec.models.loading import LoadedModel, load_model, select_device, set_threads
+from specdec.engine.pools import DraftPool, TargetPool
+from specdec.decoding.proposers import NON_MODEL_DRAFTS
+from specdec.engine.prompt import Prompt, resolve_prompt, tokenize_prompt
+from specdec.engine.request import GenerationRequest, as_request
+from specdec.engine.scheduler import Scheduler, received
+from specdec.engine.request_state import GenerationOutput, StreamChunk
+from specdec.decoding.speculation_length import CostModel
+
+logger = logging.getLogger(__name__)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so step timings measure the work and not the queueing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeEngine:
+    """Target model + proposer + the batch scheduler, in this process; thread-safe (concurrent calls batch)."""
+
+    def __init__(self, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None = None,
+                 linear_kernel: str | None = None) -> None:
+        """`linear_kernel`: the kernel already applied to the target's linears (`from_config` prepares
+        them while the tokenizer loads); None applies `config.linear_kernel` here."""
+        self.config = config
+        self.startup_seconds: dict[str, float] = {}  # stage -> seconds (`startup.py`), by from_config
+        self.target_model = target
+        self.tokenizer = target.tokenizer
+        kernel = linear_kernel or prepare_target(target.model, config.linear_kernel,
+                                                 speculating=config.draft != "none")
+        self.linear_kernel, self.kernel_record = settle_linear_kernel(target, kernel)
+        self.target = ModelRunner(target)
+        built = build_draft(config, draft, self.target.vocab_size, target=target, target_kernel=self.kernel_record)
+        self.proposer = built.proposer
+        self.draft_quantization = built.precision
+        self.draft_vocab_size = built.vocab_size
+        self.draft_calibration = built.measurements
+        self.draft_record = built.record
+        self.draft_model = built.model
+        self.costs = CostModel()
+        self.calibration_check = runtime_check(summarize(self.kernel_record, self.linear_kernel),
+                                               summarize(self.draft_record, self.draft_quantization), VERIFY_TOKENS)
+        pool = TargetPool(self.target)
+        self.target_pool = pool
+        self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
+        self.scheduler = Scheduler(config, LocalTarget(pool, self.target.device),
+                                   LocalDraft(self.draft_pool, self.draft_device) if self.draft_pool is not None else None,
+                                   tokenizer=self.tokenizer, eos_token_ids=lambda: target.eos_token_ids,
+                                   vocab_size=self.target.vocab_size, max_context=self.target.max_context,
+                                   costs=self.costs)
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._stop = False
+
+    @property
+    def calibration(self) -> dict:
+        """What the load-time measurements chose and from what (`calibration.Record.summary`)."""
+        return {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
+                "draft_precision": summarize(self.draft_record, self.draft_quantization),
+                "contradicted": dict(self.calibration_check.contradicted)}
+
+    @property
+    def draft_device(self) -> torch.device:
+        return self.proposer.device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str = "none",
+        num_speculative_tokens: int | str = 4,
+        **config_kwargs,
+    ) -> "SpeculativeEngine":
+        """Load the target (and a draft model, unless draft is `ngram` or `none`) and build an engine.
+
+        Extra keyword arguments are `EngineConfig` fields (device, dtype, num_threads, ...).
+        """
+        config = EngineConfig(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                              **config_kwargs)
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "SpeculativeEngine":
+        set_threads(config.num_threads)
+        device = select_device(config.device)
+        kernel: list[str] = []
+
+        def prepare(model: torch.nn.Module) -> None:
+            kernel.append(prepare_target(model, config.linear_kernel, speculating=config.draft != "none"))
+
+        with startup.recording() as seconds:
+            target = load_model(config.target, device, config.dtype, config.trust_remote_code,
+                                allow_pickle=config.allow_pickle_weights, role="target", prepare=prepare)
+            draft = None
+            if config.draft not in NON_MODEL_DRAFTS:
+                draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
+                                   allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
+            engine = cls(config, target, draft, linear_kernel=kernel[0])
+        engine.startup_seconds = seconds
+        return engine
+
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+        """Prompt text -> ids (with the tokenizer's chat template when `chat`)."""
+        return tokenize_prompt(self.tokenizer, prompt, chat, self.target_model.spec)
+
+    # ------------------------------------------------------------------------------ generation
+
+    def generate(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> GenerationOutput:
+        """Generate a completion; returns text, token ids, finish reason, usage and speculation stats.
+
+        Pass a `GenerationRequest`, or its fields: `prompt` is text, or with `chat=True` a list of
+        {"role", "content"} messages; or `prompt_token_ids`; `sampling`; `num_speculative_tokens`
+        overrides the engine's K (an int, "auto", or 0 for target-only) for this request.
+        """
+        last = None
+        for last in self.generate_stream(prompt, **fields):
+            pass
+        assert last is not None and last.output is not None
+        return last.output
+
+    def generate_stream(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> Iterator[StreamChunk]:
+        """Yield what each step commits; the last chunk carries the finish reason and the whole output.
+        Closing the iterator early cancels the request and frees its caches."""
+        request = self._request(prompt, fields)
+        return self._stream(*self._submit(request, *self._resolve(request)))
+
+    def generate_batch(self, requests: Sequence[GenerationRequest | Prompt]) -> list[GenerationOutput]:
+        """Generate many completions together (one batch, `max_batch_size` rows at a time); outputs in
+        the order of `requests`. Each is what it would be alone (greedy: token for token)."""
+        requests = [r if isinstance(r, GenerationRequest) else GenerationRequest(prompt=r) for r in requests]
+        resolved = [self._resolve(r) for r in requests]  # every request is valid before any starts
+        submitted = [self._submit(r, *ids_sampling) for r, ids_sampling in zip(requests, resolved)]
+        return [_last(self._stream(*s)).output for s in submitted]
+
+    def _request(self, prompt, fields) -> GenerationRequest:
+        if isinstance(prompt, GenerationRequest):
+            return as_request(prompt, **fields)
+        return as_request(prompt=prompt, **fields)
+
+    def _resolve(self, request: GenerationRequest):
+        return resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
+                              request.sampling, self.target.vocab_size, self.target.max_context,
+                              self.target_model.spec, self.target_model.eos_token_ids,
+                              self.config.trust_remote_code, request.tools)
+
+    def _submit(self, request: GenerationRequest, ids: list[int], sampling: SamplingParams):
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        item = self.scheduler.submit(request, ids, sampling, out.put)
+        self._ensure_thread()
+        return item, out
+
+    def _stream(self, item, out: queue.SimpleQueue) -> Iterator[StreamChunk]:
+        try:
+            while (chunk := received(out.get())) is not None:
+                yield chunk
+        finally:
+            self.scheduler.cancel(item)  # a no-op once the request has ended
+
+    def shutdown(self) -> None:
+        """Fail what is still running and stop the scheduler's thread (the engine can start it again)."""
+        self.scheduler.fail_all(RuntimeError("the engine was shut down"))
+        with self._thread_lock:
+            thread, self._stop = self._thread, True
+        self.scheduler.wake()
+        if thread is not None:
+            thread.join(timeout=30)
+        self._stop = False
+
+    def _ensure_thread(self) -> None:
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            if self._stop or not self.scheduler.wait_for_work(timeout=30.0):
+                with self._thread_lock:
+                    if self._stop or not self.scheduler.num_active:
+                        self._thread = None
+                        return
+                continue
+            try:
+                with torch.inference_mode():
+                    self.scheduler.run_once()
+                self.calibration_check.after_step(self.costs)
+            except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
+                logger.exception("scheduler step failed")
+                self.scheduler.fail_all(e)
+
+
+class LocalTarget:
+    """The scheduler's target calls on an in-process `TargetPool` (results are ready at once)."""
+
+    def __init__(self, pool: TargetPool, device: torch.device) -> None:
+        self.pool, self.device = pool, device
+
+    def submit_forward(self, rows):
+        results = self.pool.forward(rows)
+        _sync(self.device)
+        return lambda: results
+
+    def rewind(self, rows):
+        return [[length] for length in self.pool.rewind(rows)]  # one shard
+
+    def release(self, request_ids):
+        self.pool.release(request_ids)
+
+
+class LocalDraft:
+    """The scheduler's draft calls on an in-process `DraftPool`. It shares the target's cores, so
+    pre-drafting would not overlap anything (`concurrent` False)."""
+
+    def __init__(self, pool: DraftPool, device: torch.device) -> None:
+        self.pool, self.device = pool, device
+        self.capabilities = DraftCapabilities(concurrent=False, per_token=pool.proposer.per_token)
+
+    def submit_propose(self, rows):
+        results = self.pool.propose(rows)
+        _sync(self.device)
+        return lambda: results
+
+    def release(self, request_ids):
+        self.pool.release(request_ids)
+
+
+def _last(chunks: Iterator[StreamChunk]) -> StreamChunk:
+    last = None
+    for last in chunks:
+        pass
+    return last

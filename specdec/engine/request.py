@@ -1,0 +1,49 @@
+"""One generation request, as every layer passes it (engine, scheduler, Ray coordinator, Serve)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.config import SamplingParams
+from specdec.engine.prompt import Prompt
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate and how. `prompt` is text, or with `chat` a list of {"role", "content"}
+    messages (and `tools` for the chat template); or pass `prompt_token_ids`. `num_speculative_tokens` (an int, "auto", or 0 for
+    target-only) and `pipeline` override the engine's settings for this request; past `timeout_s`
+    the request stops at its next step with `RequestTimeout`."""
+
+    prompt: Prompt | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chat: bool = False
+    request_id: str = ""
+    num_speculative_tokens: int | str | None = None
+    pipeline: bool | None = None
+    timeout_s: float | None = None
+    tools: list[dict] | None = None  # OpenAI function definitions, rendered by the chat template
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = SamplingParams()
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex
+        if self.prompt_token_ids is not None:
+            self.prompt_token_ids = list(self.prompt_token_ids)
+
+
+class RequestTimeout(TimeoutError):
+    """The request ran past its `timeout_s`; it was stopped at a step boundary and its caches freed."""
+
+
+def as_request(request: GenerationRequest | None = None, **fields) -> GenerationRequest:
+    """A `GenerationRequest` from one, or from its fields as keyword arguments."""
+    if request is not None:
+        if fields:
+            raise TypeError("pass a GenerationRequest or its fields, not both")
+        return request
+    return GenerationRequest(**fields)

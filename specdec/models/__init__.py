@@ -1,0 +1,1 @@
+"""Models and their caches: presets, the converted-weights cache, loading, KV caches and batched forwards."""
