@@ -1,7 +1,7 @@
 """Starting the distributed engine: Ray itself, the coordinator actor, and the driver-side handle.
 
     from actors import RayEngineConfig, build_ray_engine
-    engine = build_ray_engine(RayEngineConfig(engine=EngineConfig(target=..., draft=...), tp_size=2))
+    engine = build_ray_engine(RayEngineConfig(engine=EngineConfig(target=..., draft=...), tp=2))
     out = engine.generate(prompt="def fib(n):")           # same contract as SpeculativeEngine
     for chunk in engine.generate_stream(prompt="..."): ...
     engine.shutdown()
@@ -21,7 +21,8 @@ import ray
 from actors.config import RayEngineConfig
 from specdec.models import model_cache
 from specdec.models.presets import is_preset
-from specdec.engine.request import GenerationRequest, as_request
+from specdec.engine.api import Engine
+from specdec.engine.request import as_request, as_requests
 from specdec.engine.request_state import GenerationOutput, StreamChunk
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def metrics_export_port() -> int:
     return int(ray._private.worker.global_worker.node.metrics_export_port)
 
 
-class RayEngine:
+class RayEngine(Engine):
     """Driver-side handle of the distributed engine; the same `generate` contract as SpeculativeEngine."""
 
     def __init__(self, coordinator, config: RayEngineConfig, info: dict) -> None:
@@ -72,8 +73,7 @@ class RayEngine:
         held back); exactly one chunk has `finish_reason` set, the last. Dropping the iterator
         cancels the request and frees its caches.
         """
-        request = as_request(prompt, **fields) if isinstance(prompt, GenerationRequest) else \
-            as_request(prompt=prompt, **fields)
+        request = as_request(prompt, **fields)
         gen = self.coordinator.generate_stream.options(num_returns="streaming").remote(request)
         try:
             for ref in gen:
@@ -82,17 +82,11 @@ class RayEngine:
             if not _exhausted(gen):
                 ray.cancel(gen)
 
-    def generate(self, prompt=None, **fields) -> GenerationOutput:
-        last = None
-        for last in self.generate_stream(prompt, **fields):
-            pass
-        return last.output
-
     def generate_batch(self, requests) -> list[GenerationOutput]:
         """Many requests at once (the coordinator batches them); outputs in the order of `requests`."""
         from concurrent.futures import ThreadPoolExecutor
 
-        requests = [r if isinstance(r, GenerationRequest) else GenerationRequest(prompt=r) for r in requests]
+        requests = as_requests(requests)
         with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
             return list(pool.map(self.generate, requests))
 

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import argparse
 
-from actors.config import DRAFT_PLACEMENTS
+from actors.config import RayEngineConfig
+from specdec.options import add_arguments, from_args
+
+
+def add_ray_arguments(group, **defaults) -> None:
+    """The distributed engine's options (`RayEngineConfig`'s fields) and the cluster to join."""
+    add_arguments(group, RayEngineConfig, defaults=defaults)
+    group.add_argument("--ray-address", default=None,
+                       help="the Ray cluster to join [default: $RAY_ADDRESS, else a local Ray]")
+
+
+def ray_options(args: argparse.Namespace) -> dict:
+    return from_args(RayEngineConfig, args)
 
 
 def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
-    g = generate_parser.add_argument_group("distributed (Ray)")
-    g.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="run on Ray: N tensor-parallel target shards, a draft worker and a coordinator "
-                        "(joins $RAY_ADDRESS, else starts a local Ray)")
-    g.add_argument("--draft-placement", choices=DRAFT_PLACEMENTS, default="auto",
-                   help="with --tp: run the draft inside the rank-0 target shard (colocated) or in its own actor "
-                        "(separate); auto colocates on CPU-only nodes, where both would share the cores "
-                        "[default: auto]")
-    g.add_argument("--no-pipeline", action="store_true",
-                   help="with --tp and a separate draft: do not pre-draft the next block while the target verifies")
-    g.add_argument("--ray-address", default=None, help="with --tp: the Ray cluster to join [default: $RAY_ADDRESS]")
+    g = generate_parser.add_argument_group(
+        "distributed (Ray)", "--tp N runs on Ray: N tensor-parallel target shards, a draft and a coordinator "
+                             "(without --tp: in this process)")
+    add_ray_arguments(g, tp=None)
     generate_parser.set_defaults(make_engine=make_engine)
 
 
@@ -27,14 +32,6 @@ def make_engine(config, args: argparse.Namespace):
     """The Ray engine when --tp is given, else None (the in-process engine is used)."""
     if args.tp is None:
         return None
-    import torch
-
     from actors.builder import build_ray_engine
-    from actors.config import RayEngineConfig, RolePlacement
 
-    gpus = 1.0 if (config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else 0.0
-    threads = config.num_threads or 1
-    role = RolePlacement(num_cpus=0.5 if not gpus else 1.0, num_gpus=gpus, num_threads=threads)
-    ray_config = RayEngineConfig(engine=config, tp_size=args.tp, pipeline=not args.no_pipeline, draft=role,
-                                 target=role, draft_placement=args.draft_placement)
-    return build_ray_engine(ray_config, address=args.ray_address)
+    return build_ray_engine(RayEngineConfig(engine=config, **ray_options(args)), address=args.ray_address)

@@ -4,30 +4,46 @@ goes to small-GPU nodes and the target shards to large-GPU nodes by labels given
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from specdec.config import EngineConfig
+from specdec.options import ConfigError, option
 
 
 @dataclass(frozen=True)
 class RolePlacement:
-    """Resources of one actor role (draft worker, or each target shard)."""
+    """Resources of one actor role (the draft worker, or each target shard). A field left None takes
+    the local default when the `RayEngineConfig` is made (`resolved`): on a CUDA device 1 CPU and
+    1 GPU, else 0.5 CPU; the threads of the engine (`num_threads`), else 1."""
 
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    num_threads: int | None = None  # torch intra-op threads in the actor (None: the engine's num_threads, else 1)
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    num_threads: int | None = None  # torch intra-op threads in the actor
     resources: dict[str, float] = field(default_factory=dict)  # custom node labels, e.g. {"large_gpu": 1}
     accelerator_type: str | None = None  # Ray accelerator type, e.g. "A10G", "H100"
 
     def __post_init__(self) -> None:
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"num_cpus and num_gpus must be >= 0, got {self.num_cpus}, {self.num_gpus}")
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
 
+    #: As a field of `specdec serve`'s options (pydantic), an unknown key is an error.
+    __pydantic_config__ = {"extra": "forbid"}
+
+    def resolved(self, on_gpu: bool, threads: int) -> "RolePlacement":
+        """This role with its unset fields at the local defaults."""
+        return dataclasses.replace(
+            self, num_cpus=self.num_cpus if self.num_cpus is not None else (1.0 if on_gpu else 0.5),
+            num_gpus=self.num_gpus if self.num_gpus is not None else (1.0 if on_gpu else 0.0),
+            num_threads=self.num_threads or threads)
+
     def bundle(self) -> dict[str, float]:
         """This role as a placement-group bundle."""
-        bundle = {"CPU": self.num_cpus, **self.resources}
+        bundle = {"CPU": self.num_cpus or 0.0, **self.resources}
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus
         if self.accelerator_type:
@@ -35,12 +51,21 @@ class RolePlacement:
         return bundle
 
 
+def uses_cuda(device: str | None) -> bool:
+    """Whether an engine on `device` (None: CUDA if this machine has it) runs on CUDA."""
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
 DRAFT_PLACEMENTS = ("auto", "colocated", "separate")
 
 
 @dataclass(frozen=True)
 class RayEngineConfig:
-    """`draft_placement`: "separate" runs the draft in its own actor, placed by `draft`'s resources
+    """`draft_placement`: "separate" runs the draft in its own actor, placed by `draft_role`'s resources
     (a small GPU, another node) and able to pre-draft while the target verifies (`pipeline`);
     "colocated" runs it inside the rank-0 target shard's process, on the shard's threads and device
     (no pipelining: one process does one thing at a time). "auto" colocates when neither role asks
@@ -49,11 +74,17 @@ class RayEngineConfig:
     forward ~8% slower, and draft calls pay a Ray round trip)."""
 
     engine: EngineConfig
-    tp_size: int = 1
-    pipeline: bool = True  # pre-draft block i+1 while the target verifies block i (separate draft only)
-    draft_placement: str = "auto"
-    draft: RolePlacement = field(default_factory=lambda: RolePlacement(num_cpus=0.5))
-    target: RolePlacement = field(default_factory=lambda: RolePlacement(num_cpus=0.5))
+    tp: int = option(1, metavar="N", help="tensor-parallel target shards (per replica)")
+    draft_placement: str = option("auto", choices=DRAFT_PLACEMENTS,
+                                  help="the draft inside the rank-0 target shard (colocated) or in its own actor "
+                                       "(separate); auto colocates on CPU-only nodes, where both would share the "
+                                       "cores")
+    pipeline: bool = option(True, help="pre-draft the next block while the target verifies (a separate draft "
+                                       "only)")
+    draft_role: RolePlacement = option(default_factory=RolePlacement, cli=False,
+                                       help="resources of the separate draft worker")
+    target_role: RolePlacement = option(default_factory=RolePlacement, cli=False,
+                                        help="resources of each target shard")
     coordinator_num_cpus: float = 0.0
     draft_max_restarts: int = 3  # a dead draft is restarted; its requests fall back to target-only
     process_group_timeout_s: float = 120.0
@@ -65,24 +96,24 @@ class RayEngineConfig:
     health_stall_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp must be an integer >= 1, got {self.tp_size!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError("tp", f"tp must be an integer >= 1, got {self.tp!r}")
+        on_gpu, threads = uses_cuda(self.engine.device), self.engine.num_threads or 1
+        for role in ("draft_role", "target_role"):
+            object.__setattr__(self, role, getattr(self, role).resolved(on_gpu, threads))
         if not self.health_stall_s > 0:
             raise ValueError(f"health_stall_s must be > 0, got {self.health_stall_s!r}")
         if self.draft_placement not in DRAFT_PLACEMENTS:
-            raise ValueError(f"draft placement must be one of {', '.join(DRAFT_PLACEMENTS)}; "
-                             f"got {self.draft_placement!r}")
+            raise ConfigError("draft_placement", f"draft_placement must be one of "
+                                                 f"{', '.join(DRAFT_PLACEMENTS)}; got {self.draft_placement!r}")
         if self.draft_placement == "auto":
             object.__setattr__(self, "draft_placement", "separate" if self._heterogeneous() else "colocated")
         if self.pipeline and (self.engine.draft == "none" or self.colocated):
             object.__setattr__(self, "pipeline", False)  # nothing to pipeline / no second process to do it
 
-    def threads(self, role: RolePlacement) -> int:
-        """Torch threads of an actor of `role`: the role's, else the engine's `num_threads`, else 1."""
-        return role.num_threads or self.engine.num_threads or 1
-
     def _heterogeneous(self) -> bool:
-        return any(role.num_gpus or role.accelerator_type or role.resources for role in (self.draft, self.target))
+        return any(role.num_gpus or role.accelerator_type or role.resources
+                   for role in (self.draft_role, self.target_role))
 
     @property
     def colocated(self) -> bool:

@@ -49,7 +49,7 @@ from specdec.kernels.calibration import runtime_check
 from specdec.kernels.linear import VERIFY_TOKENS
 from specdec.models.loading import check_same_vocabulary, load_tokenizer
 from specdec.models.presets import short_name
-from specdec.engine.prompt import resolve_prompt
+from specdec.engine.prompt import PromptResolver
 from specdec.decoding.proposers import NON_MODEL_DRAFTS
 from specdec.engine.request import GenerationRequest, RequestTimeout
 from specdec.engine.scheduler import Cancelled, Scheduler, received
@@ -77,8 +77,9 @@ class Coordinator:
     def __init__(self, config: RayEngineConfig, model_name: str | None = None, replica: str = "0") -> None:
         """`model_name` and `replica` label this engine's metrics (`actors/metrics.py`)."""
         self.config = config
-        self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica, config.engine.k_max)
+        self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica, config.engine.speculative_tokens_limit)
         self.tokenizer = None
+        self.resolve: PromptResolver | None = None  # set up in start()
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
         self._draft_pg = None  # its placement group
         self.group = None  # actors.groups.TargetGroup
@@ -124,10 +125,10 @@ class Coordinator:
         self._loop = asyncio.get_running_loop()
         # The scheduler thread's ray.get calls do not block this actor's event loop (as Ray Train's).
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        self.resolve = PromptResolver(self.tokenizer, self.info["vocab_size"], self.info["max_context"],
+                                      engine.target, tuple(self.info["eos_token_ids"]), engine.trust_remote_code)
         self.scheduler = Scheduler(engine, _RemoteTarget(self), _RemoteDraft(self) if self.has_draft else None,
-                                   tokenizer=self.tokenizer, eos_token_ids=self.info["eos_token_ids"],
-                                   vocab_size=self.info["vocab_size"], max_context=self.info["max_context"],
-                                   costs=self.costs, on_fatal=self._on_fatal)
+                                   self.resolve, costs=self.costs, on_fatal=self._on_fatal)
         self._thread = threading.Thread(target=self._drive, name="specdec-scheduler", daemon=True)
         self._thread.start()
         return self.info
@@ -138,15 +139,8 @@ class Coordinator:
 
     def _drive(self) -> None:
         """The scheduler's thread: every actor call is submitted from here (see the module docstring)."""
-        while not self._stopping:
-            if not self.scheduler.wait_for_work(timeout=1.0):
-                continue
-            try:
-                self.scheduler.run_once()
-                self.calibration_check.after_step(self.costs)
-            except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
-                logger.exception("scheduler step failed")
-                self.scheduler.fail_all(e)
+        self.scheduler.drive(stop=lambda: self._stopping,
+                             after_step=lambda: self.calibration_check.after_step(self.costs))
 
     async def _refresh_gauges(self) -> None:
         """Re-set the metrics' gauges on this event loop (where the request events record them too),
@@ -262,10 +256,7 @@ class Coordinator:
         the request raises `RequestTimeout` at its next step."""
         # In a thread: a structured-output request compiles its grammar here (the first one also builds
         # the grammar engine's view of the vocabulary, seconds), off the actor's event loop.
-        ids, sampling = await asyncio.to_thread(
-            resolve_prompt, self.tokenizer, request.prompt, request.prompt_token_ids, request.chat, request.sampling,
-            self.info["vocab_size"], self.info["max_context"], self.config.engine.target,
-            self.info["eos_token_ids"], self.config.engine.trust_remote_code, request.tools)
+        ids, sampling = await asyncio.to_thread(self.resolve, request)
         if request.pipeline is not None and self.draft is None:
             request.pipeline = False  # pipelining needs a draft in a process of its own
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from specdec.kernels.calibration import Record as Calibration, summarize
 from specdec.config import EngineConfig
-from specdec.engine.draft import build_draft
-from specdec.models.loading import LoadedModel, load_model, select_device, set_threads
+from specdec.engine.build import Target, load_draft
+from specdec.models.loading import set_threads
 from specdec.engine.pools import DraftPool, DraftRow
 from specdec.engine.progress import ForwardProgress
 from specdec.decoding.proposers import Proposal
@@ -27,18 +27,14 @@ logger = logging.getLogger(__name__)
 
 class DraftWorker:
     def __init__(self, config: EngineConfig, target_vocab_size: int, num_threads: int | None = None,
-                 target: LoadedModel | None = None, progress: ForwardProgress | None = None,
+                 target: Target | None = None, progress: ForwardProgress | None = None,
                  target_kernel: Calibration | None = None) -> None:
         set_threads(num_threads or config.num_threads)
         self.config = config
         self.forward_progress = progress or ForwardProgress.from_env()
         if config.draft == "none":
             raise ValueError("draft 'none' needs no draft worker")
-        loaded = None
-        if config.draft != "ngram":
-            loaded = load_model(config.draft, select_device(config.device), config.dtype, config.trust_remote_code,
-                                allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
-        built = build_draft(config, loaded, target_vocab_size, target=target, target_kernel=target_kernel)
+        built = load_draft(config, target_vocab_size, target, target_kernel)
         self.quantization = built.precision
         self.record = built.record
         proposer, device = built.proposer, built.device

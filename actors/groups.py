@@ -45,21 +45,21 @@ def _role_options(role: RolePlacement) -> dict:
 async def reserve_draft(config: RayEngineConfig):
     """The separate draft worker's placement group (its role's resources), reserved before the target
     loads: a role no node offers fails within the placement timeout, not after minutes of loading."""
-    return await _reserve([config.draft.bundle()], "the draft worker", config.placement_timeout_s)
+    return await _reserve([config.draft_role.bundle()], "the draft worker", config.placement_timeout_s)
 
 
 def create_draft_worker(config: RayEngineConfig, target_vocab_size: int, pg):
     """The separate draft worker in its placement group (`reserve_draft`); Ray restarts it there."""
     from actors.draft_worker import DraftWorker
 
-    options = _role_options(config.draft)
+    options = _role_options(config.draft_role)
     options.pop("resources", None)  # reserved by the bundle
     options.pop("accelerator_type", None)
     actor = (_actor_class(DraftWorker)
              .options(max_restarts=config.draft_max_restarts, max_task_retries=0,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
                       **options)
-             .remote(config.engine, target_vocab_size, config.threads(config.draft)))
+             .remote(config.engine, target_vocab_size, config.draft_role.num_threads))
     return actor
 
 
@@ -109,25 +109,25 @@ class TargetGroup:
 
 
 async def create_target_group(config: RayEngineConfig) -> TargetGroup:
-    """tp_size shard actors in one STRICT_PACK placement group, joined into one process group."""
+    """tp shard actors in one STRICT_PACK placement group, joined into one process group."""
     from actors.target_shard import TargetShard
 
-    bundle = config.target.bundle()
-    bundles = [dict(bundle) for _ in range(config.tp_size)]
+    bundle = config.target_role.bundle()
+    bundles = [dict(bundle) for _ in range(config.tp)]
     if config.colocated:  # rank 0 also runs the draft
-        bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft.num_cpus
-    pg = await _reserve(bundles, f"{config.tp_size} target shard(s)", config.placement_timeout_s)
+        bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft_role.num_cpus
+    pg = await _reserve(bundles, f"{config.tp} target shard(s)", config.placement_timeout_s)
     shards = []
-    for rank in range(config.tp_size):
+    for rank in range(config.tp):
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
-        options = _role_options(config.target)
+        options = _role_options(config.target_role)
         options.pop("resources", None)  # already reserved by the bundle
         options.pop("accelerator_type", None)
         options["num_cpus"] = bundles[rank].get("CPU", 0.0)
         host_draft = config.colocated and rank == 0
         shards.append(_actor_class(TargetShard)
                       .options(scheduling_strategy=strategy, max_restarts=0, max_task_retries=0, **options)
-                      .remote(config.engine, rank, config.tp_size, config.threads(config.target), host_draft))
+                      .remote(config.engine, rank, config.tp, config.target_role.num_threads, host_draft))
     try:
         host, port = await shards[0].address.remote()
         infos = await asyncio.gather(*[s.setup.remote(host, port, config.process_group_timeout_s) for s in shards])

@@ -26,9 +26,9 @@ import torch
 from specdec.engine import startup
 from specdec.config import EngineConfig
 from specdec.kernels.calibration import summarize
-from specdec.kernels.linear import prepare_target, settle_linear_kernel
+from specdec.engine.build import load_target
 from specdec.models.model_runner import ModelRunner
-from specdec.models.loading import load_model, select_device, set_threads
+from specdec.models.loading import select_device, set_threads
 from specdec.engine.pools import TargetPool, TargetRow
 from specdec.engine.progress import ForwardProgress
 
@@ -102,16 +102,8 @@ class TargetShard:
             kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
             check_tp_divides(AutoConfig.from_pretrained(resolved.path, trust_remote_code=self.config.trust_remote_code,
                                                         **kwargs), self.world_size)
-        kernel: list[str] = []
-
-        def prepare(model: torch.nn.Module) -> None:  # in a thread, while the tokenizer loads
-            kernel.append(prepare_target(model, self.config.linear_kernel, speculating=self.config.draft != "none",
-                                         tensor_parallel=self.world_size > 1))
-
-        loaded = load_model(self.config.target, device, self.config.dtype, self.config.trust_remote_code,
-                            tensor_parallel=self.world_size > 1, allow_pickle=self.config.allow_pickle_weights,
-                            role="target", prepare=prepare)
-        self.linear_kernel, self.kernel_record = settle_linear_kernel(loaded, kernel[0])
+        target = load_target(self.config, tensor_parallel=self.world_size > 1)
+        loaded, self.linear_kernel, self.kernel_record = target.loaded, target.linear_kernel, target.kernel_record
         self.forward_progress.watch(loaded.model)
         self.runner = ModelRunner(loaded)
         self.pool = TargetPool(self.runner)
@@ -121,7 +113,7 @@ class TargetShard:
             # Same process, same thread pool: the draft and the target never run at once here. An
             # unsharded target is at hand for `auto` draft precision to measure acceptance against.
             self.draft = DraftWorker(self.config, self.runner.vocab_size, torch.get_num_threads(),
-                                     target=loaded if self.world_size == 1 else None, progress=self.forward_progress,
+                                     target=target if self.world_size == 1 else None, progress=self.forward_progress,
                                      target_kernel=self.kernel_record)
 
     def describe(self) -> dict:

@@ -21,27 +21,25 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 def register(subparsers, generate_parser) -> None:
+    from specdec.config import EngineConfig, SamplingParams
     from specdec.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.options import add_arguments
 
     p = subparsers.add_parser(
         "bench", help="measure speedups side by side with Hugging Face generate()",
         description="Benchmark specdec against Hugging Face generate(), assisted generation and prompt lookup, "
                     "in one run on the same prompts (HumanEval by default), interleaved prompt by prompt. "
                     "Writes bench.json, bench.md and PNG plots.")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model [default: {DEFAULT_TARGET}]")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model [default: {DEFAULT_DRAFT}]")
+    add_arguments(p, EngineConfig, only=("target", "draft"), defaults={"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
     p.add_argument("--limit", type=int, default=20, help="first N prompts [default: 20]")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help='JSONL of prompts (strings or {"prompt": ...}) instead of HumanEval')
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt [default: 128]")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: 0]")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the prompt's index)")
+    add_arguments(p, SamplingParams, only=("max_tokens", "temperature", "top_p", "top_k", "seed"),
+                  defaults={"max_tokens": 128})
     p.add_argument("--k-sweep", type=_int_list, default=(1, 2, 4, 6, 8), metavar="K,K,...",
                    help="fixed K values to run; '' for none [default: 1,2,4,6,8]")
-    p.add_argument("--max-k", type=int, default=8, help="largest K for auto [default: 8]")
+    add_arguments(p, EngineConfig, only=("max_speculative_tokens",))
     p.add_argument("--ray-tp", type=_int_list, default=(1, 2), metavar="N,N,...",
                    help="tensor parallel sizes for the Ray engine [default: 1,2]")
     p.add_argument("--ray-placement", type=_name_list, default=("colocated", "separate"), metavar="P,P,...",
@@ -56,10 +54,10 @@ def register(subparsers, generate_parser) -> None:
                         "writes bench-concurrency.json/.md and throughput_vs_concurrency.png")
     p.add_argument("--precisions", type=_name_list, default=(), metavar="P,P,...",
                    help="also run auto K with the draft fixed at each precision (none, bfloat16, int8, int8-weight) "
-                        "[default: none of them; specdec-auto uses --draft-quantization auto]")
+                        "[default: none of them; specdec-auto uses --draft-precision auto]")
     p.add_argument("--draft-vocabs", type=_int_list, default=(), metavar="N,N,...",
                    help="also run the bfloat16 draft over the N most frequent tokens, for each N (FR-Spec)")
-    p.add_argument("--ngram-first", type=_int_list, default=(), metavar="N,N,...",
+    p.add_argument("--prompt-lookup-mins", type=_int_list, default=(), metavar="N,N,...",
                    help="also run the bfloat16 draft behind prompt lookup (matches of N+ tokens), for each N")
     p.add_argument("--sampling-modes", type=_name_list, default=(), metavar="M,M,...",
                    help="also run specdec-auto in each sampling mode (invariant, residual) on the same prompts "
@@ -68,7 +66,7 @@ def register(subparsers, generate_parser) -> None:
                    help="also run a random-init draft of the draft's shape against target-only on the first N "
                         "prompts [default: 0 = skip]")
     p.add_argument("--no-prompt-lookup", action="store_true", help="skip HF's prompt lookup method")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_arguments(p, EngineConfig, only=("num_threads",))
     p.add_argument("--out", default=None, help="output directory [default: bench-results/<time>]")
     p.set_defaults(func=cmd_bench)
 
@@ -77,12 +75,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import prompts as prompt_sources
     from benchmarks.runner import BenchConfig, check_ray_placements, run
     from specdec.config import SamplingParams
+    from specdec.options import from_args
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_ray_placements(args.ray_placement)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_tokens=args.max_tokens, seed=args.seed)
+    sampling = SamplingParams(**from_args(SamplingParams, args))
     if args.prompts:
         prompts, source = prompt_sources.from_jsonl(args.prompts, args.limit), args.prompts
     else:
@@ -91,10 +89,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         return _concurrency(args, prompts, sampling, out)
     config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
-                         sampling=sampling, k_sweep=args.k_sweep, max_k=args.max_k, hf=not args.no_hf,
+                         sampling=sampling, k_sweep=args.k_sweep, max_speculative_tokens=args.max_speculative_tokens, hf=not args.no_hf,
                          ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
-                         ngram=not args.no_ngram, threads=args.threads, chat=args.chat,
-                         precisions=args.precisions, draft_vocabs=args.draft_vocabs, ngram_first=args.ngram_first,
+                         ngram=not args.no_ngram, num_threads=args.num_threads, chat=args.chat,
+                         precisions=args.precisions, draft_vocabs=args.draft_vocabs, prompt_lookup_mins=args.prompt_lookup_mins,
                          hopeless=args.hopeless, sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
     rows, paths = run(config)
     print(paths["markdown"].read_text())
@@ -113,7 +111,8 @@ def _concurrency(args: argparse.Namespace, prompts, sampling, out: Path) -> int:
     ids = [check_prompt(tokenize_prompt(tokenizer, p.text, args.chat), sampling, len(tokenizer), 1 << 30)
            for p in prompts]
     rows, paths = concurrency.run(args.target, args.draft, ids, sampling, tuple(args.concurrency), out,
-                                  max_k=args.max_k, threads=args.threads, ray=not args.no_ray, hf=not args.no_hf,
+                                  max_speculative_tokens=args.max_speculative_tokens, num_threads=args.num_threads,
+                                  ray=not args.no_ray, hf=not args.no_hf,
                                   command="specdec " + " ".join(sys.argv[1:]))
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

@@ -150,18 +150,18 @@ def _until_eos(ids: list[int], eos: list[int]) -> list[int]:
 
 
 def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling: SamplingParams,
-        levels: tuple[int, ...], out_dir: Path, max_k: int = 8, threads: int | None = None, ray: bool = True,
+        levels: tuple[int, ...], out_dir: Path, max_speculative_tokens: int = 8, num_threads: int | None = None, ray: bool = True,
         hf: bool = True, command: str = "") -> tuple[list[dict], dict[str, Path]]:
     from tqdm.auto import tqdm
 
     from specdec import EngineConfig, SpeculativeEngine
     from specdec.models.loading import load_model, set_threads
 
-    set_threads(threads)
+    set_threads(num_threads)
     started = time.time()
     target, draft = load_model(target_spec), load_model(draft_spec)
     config = EngineConfig(target=target_spec, draft=draft_spec, num_speculative_tokens="auto",
-                          max_speculative_tokens=max_k, num_threads=threads, max_batch_size=max(levels))
+                          max_speculative_tokens=max_speculative_tokens, num_threads=num_threads, max_batch_size=max(levels))
     engine = SpeculativeEngine(config, target, draft)
     pad = (target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None
            else sorted(target.eos_token_ids)[0])
@@ -182,13 +182,13 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
                     load = closed_loop(engine, method, prompt_ids, sampling, n, bar.update)
                     load.mean_batch = _mean_batch(dict(engine.scheduler.batch_sizes), before)
                 loads.append(load)
-        info = {"linear_kernel": engine.linear_kernel, "draft_quantization": engine.draft_quantization}
+        info = {"linear_kernel": engine.linear_kernel, "draft_precision": engine.draft_precision}
         if ray:
             # Phase 2: the Ray engine, with the in-process models freed (both do not fit in 24 GB).
             engine.shutdown()
             del engine, target, draft
             gc.collect()
-            loads += _ray_phase(config, prompt_ids, sampling, levels, threads, bar)
+            loads += _ray_phase(config, prompt_ids, sampling, levels, num_threads, bar)
     reference = next((l.tokens for l in loads if l.method == "hf-static" and l.concurrency == 1), None)
     if not sampling.greedy:
         reference = None
@@ -204,8 +204,8 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
 def _ray_phase(config, prompt_ids, sampling, levels, threads, bar) -> list[Load]:
     from actors import RayEngineConfig, RolePlacement, build_ray_engine
 
-    role = RolePlacement(num_cpus=0.5, num_threads=threads or torch.get_num_threads())
-    ray_engine = build_ray_engine(RayEngineConfig(engine=config, tp_size=1, draft=role, target=role))
+    role = RolePlacement(num_threads=threads or torch.get_num_threads())
+    ray_engine = build_ray_engine(RayEngineConfig(engine=config, tp=1, draft_role=role, target_role=role))
     loads = []
     try:
         ray_engine.generate(prompt_token_ids=prompt_ids[0][:32], sampling=SamplingParams(max_tokens=8))
@@ -241,7 +241,7 @@ COLUMNS = [("method", "method", None), ("N", "concurrency", None), ("tok/s", "to
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# specdec bench --concurrency: {meta['target']} + {meta['draft']}", "",
              f"{meta['num_prompts']} prompts, {meta['max_tokens']} new tokens, temperature {meta['temperature']}, "
-             f"{meta['threads']} threads, target kernel {meta['linear_kernel']}, draft {meta['draft_quantization']}; "
+             f"{meta['threads']} threads, target kernel {meta['linear_kernel']}, draft {meta['draft_precision']}; "
              f"closed loop (a client sends its next prompt when its last returns). `{meta['command']}`", "",
              f"CPU: {cpu_line(meta)}.", "",
              "| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -26,6 +26,10 @@ import statistics
 import time
 from pathlib import Path
 
+from specdec.config import EngineConfig, SamplingParams
+from specdec.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.options import add_arguments
+
 FEATURES = {
     "plain": {},
     "logprobs": {"logprobs": 5},
@@ -60,10 +64,10 @@ JSON_PROMPTS = [
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    add_arguments(parser, EngineConfig, only=("target", "draft"),
+                  defaults={"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
     parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    add_arguments(parser, SamplingParams, only=("max_tokens",), defaults={"max_tokens": 48})
     parser.add_argument("--out", default=None)
     parser.add_argument("--structured", action="store_true", help="rows with and without a JSON schema instead")
     args = parser.parse_args(argv)
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from benchmarks.prompts import humaneval
-    from specdec import SamplingParams, SpeculativeEngine
+    from specdec import SpeculativeEngine
     from specdec.kernels.cpu import cpu_info
 
     from specdec.decoding.structured_output import Constraint

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import EngineConfig
+from specdec.options import add_arguments
+
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
@@ -67,7 +70,7 @@ def measure(target: Path, draft: str, dtype: str, prompts: list[list[int]], toke
     batch4 = _hf(model, prompts, tokens, 4, pad_id)
     del model
     engine = SpeculativeEngine.from_pretrained(str(target), draft=draft, dtype=dtype, num_speculative_tokens=k,
-                                               draft_quantization="none")
+                                               draft_precision="none")
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     spec_alone = [engine.generate(prompt_token_ids=p, sampling=params).token_ids for p in prompts]
     with ThreadPoolExecutor(8) as pool:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft spec (default: the tiny draft, or ngram)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4)
+    add_arguments(parser, EngineConfig, only=("num_speculative_tokens",))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -124,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         tok = AutoTokenizer.from_pretrained(target)
         prompts = [tok(p.text)["input_ids"] for p in humaneval(args.prompts)]
     result = {"target": str(args.target), "draft": "tiny draft" if args.target == "tiny" and not args.draft else draft,
-              "k": args.k, "prompts": len(prompts), "tokens": args.tokens, "cpu": cpu_info().as_dict(),
+              "num_speculative_tokens": args.num_speculative_tokens, "prompts": len(prompts), "tokens": args.tokens, "cpu": cpu_info().as_dict(),
               "python": platform.python_version(), "torch": torch.__version__, "runs": {}}
     for dtype in args.dtypes.split(","):
         started = time.perf_counter()
-        result["runs"][dtype] = measure(target, draft, dtype, prompts, args.tokens, args.k)
+        result["runs"][dtype] = measure(target, draft, dtype, prompts, args.tokens, args.num_speculative_tokens)
         report(f"{dtype} ({time.perf_counter() - started:.0f}s)", result["runs"][dtype])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -116,7 +116,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "positions (Leviathan's per-token rate); c = draft forward ÷ target single-token forward; "
              "theory = (1-α^(K+1))/((1-α)(cK+1)); efficiency = speedup ÷ theory.", "",
              f"CPU: {cpu_line(meta)}; target kernel {meta.get('linear_kernel')}, draft "
-             f"{meta.get('draft_quantization')} (auto: {_calibration_line(meta)}).", "",
+             f"{meta.get('draft_precision')} (auto: {_calibration_line(meta)}).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         k = r.get("k")

@@ -58,17 +58,17 @@ class BenchConfig:
     prompts_source: str
     sampling: SamplingParams = SamplingParams(max_tokens=128)
     k_sweep: tuple[int, ...] = (1, 2, 4, 6, 8)
-    max_k: int = 8
+    max_speculative_tokens: int = 8
     hf: bool = True
     ngram: bool = True
     ray_tps: tuple[int, ...] = (1, 2)
     ray_placements: tuple[str, ...] = RAY_PLACEMENTS
-    threads: int | None = None
+    num_threads: int | None = None
     # The draft levers, each a row on the same prompts: fixed draft precisions, reduced draft
     # vocabularies (FR-Spec), prompt lookup in front of the draft, and a hopeless (random-init) draft.
     precisions: tuple[str, ...] = ()
     draft_vocabs: tuple[int, ...] = ()
-    ngram_first: tuple[int, ...] = ()
+    prompt_lookup_mins: tuple[int, ...] = ()
     hopeless: int = 0  # prompts for the random-init draft vs target-only phase (0: skip)
     sampling_modes: tuple[str, ...] = ()  # also run specdec-auto in each sampling mode (sampled runs)
     hf_prompt_lookup: bool = True
@@ -95,8 +95,8 @@ class BenchConfig:
         bad = [p for p in self.precisions if p not in DRAFT_PRECISIONS or p == "auto"]
         if bad:
             raise ValueError(f"--precisions: each is one of none, bfloat16, int8, int8-weight; got {','.join(bad)}")
-        if any(n < 1 for n in self.draft_vocabs) or any(n < 1 for n in self.ngram_first) or self.hopeless < 0:
-            raise ValueError("--draft-vocabs and --ngram-first take integers >= 1, --hopeless one >= 0")
+        if any(n < 1 for n in self.draft_vocabs) or any(n < 1 for n in self.prompt_lookup_mins) or self.hopeless < 0:
+            raise ValueError("--draft-vocabs and --prompt-lookup-mins take integers >= 1, --hopeless one >= 0")
         if self.draft in ("none", "ngram"):
             raise ValueError("the benchmark needs a draft model (n-gram lookup is always included)")
 
@@ -139,7 +139,7 @@ def _warm(methods, ids) -> None:
 
 
 def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
-    set_threads(config.threads)
+    set_threads(config.num_threads)
     started = time.time()
     target = load_model(config.target)
     draft = load_model(config.draft)
@@ -147,7 +147,7 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     prompt_ids = [check_prompt(tokenize_prompt(target.tokenizer, p.text, config.chat), sampling, target.vocab_size,
                                target.max_context) for p in config.prompts]
     engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
-                                 max_speculative_tokens=config.max_k, num_threads=config.threads)
+                                 max_speculative_tokens=config.max_speculative_tokens, num_threads=config.num_threads)
     spec = SpeculativeEngine(engine_config, target, draft)
     plain = SpeculativeEngine(EngineConfig(target=config.target, draft="none"), target)
     eos = target.eos_token_ids
@@ -159,7 +159,7 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
             methods.append(HFGenerate("hf-prompt-lookup", target.model, eos, prompt_lookup_num_tokens=10))
     methods.append(Specdec(REFERENCE, plain, None))
     methods += [Specdec(f"specdec-k{k}", spec, k) for k in config.k_sweep]
-    methods.append(Specdec("specdec-auto", spec, "auto"))  # the defaults; its draft: meta["draft_quantization"]
+    methods.append(Specdec("specdec-auto", spec, "auto"))  # the defaults; its draft: meta["draft_precision"]
     methods += [Specdec(f"specdec-auto ({mode})", spec, "auto", group="sampling", sampling_mode=mode)
                 for mode in config.sampling_modes]
     methods += _lever_methods(config, engine_config, target, draft)
@@ -181,7 +181,8 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
         del methods, plain
         draft = None
         gc.collect()
-        _drop_mkl_weights(target.model)  # room for the Ray actors' copy of the target
+        if spec.linear_kernel == "onednn":  # hybrid and torch still run the original weights
+            _drop_mkl_weights(target.model)  # room for the Ray actors' copy of the target
         for tp in config.ray_tps:
             for placement in config.ray_placements:
                 _ray_phase(config, tp, placement, spec, prompt_ids, sampling, results)
@@ -199,7 +200,7 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
         "top_p": sampling.top_p, "top_k": sampling.top_k,
         "speculative_sampling_default": spec.config.speculative_sampling, "chat": config.chat, "baseline": baseline,
         "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
-        "draft_quantization": spec.draft_quantization,
+        "draft_precision": spec.draft_precision,
         "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration],
         "calibration": spec.calibration,  # what auto measured for the kernel and the draft, and when
         "cpu": cpu_info().as_dict(), "torch": torch.__version__, "python": platform.python_version(),
@@ -221,20 +222,20 @@ def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, dra
     for precision in config.precisions:
         model = prepare_draft(draft.model, precision)
         prepared[precision] = dataclasses.replace(draft, model=model) if model is not draft.model else draft
-        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_quantization="none"), target,
+        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_precision="none"), target,
                                    prepared[precision])
         methods.append(Specdec(f"specdec-auto (draft {precision})", engine, "auto", group="precision"))
     base_precision = "bfloat16" if "bfloat16" in prepared else (config.precisions[0] if config.precisions else "auto")
     base = prepared.get(base_precision, draft)
-    as_prepared = "none" if base is not draft else engine_config.draft_quantization
+    as_prepared = "none" if base is not draft else engine_config.draft_precision
     for n in config.draft_vocabs:  # a prepared (packed) model cannot be copied: prepare from the loaded one
         engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_vocab_size=n,
-                                                       draft_quantization=base_precision), target, draft)
+                                                       draft_precision=base_precision), target, draft)
         methods.append(Specdec(f"specdec-auto (draft {base_precision}, vocab {engine.draft_vocab_size})", engine,
                                "auto", group="vocab"))
-    for n in config.ngram_first:
-        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_quantization=as_prepared,
-                                                       ngram_first=n), target, base)
+    for n in config.prompt_lookup_mins:
+        engine = SpeculativeEngine(dataclasses.replace(engine_config, draft_precision=as_prepared,
+                                                       prompt_lookup_min=n), target, base)
         methods.append(Specdec(f"specdec-auto (draft {base_precision}, n-gram {n}+ first)", engine, "auto",
                                group="hybrid"))
     return methods
@@ -250,7 +251,7 @@ def _hopeless_phase(config: BenchConfig, engine_config: EngineConfig, target, dr
     model = AutoModelForCausalLM.from_config(draft.model.config, dtype=draft.dtype).eval()
     hopeless = SpeculativeEngine(engine_config, target, dataclasses.replace(draft, model=model, source="random-init"))
     methods = [Specdec(f"{REFERENCE} (pair of the random-init draft)", plain, None, group="hopeless"),
-               Specdec(f"specdec-auto (random-init draft, {hopeless.draft_quantization})", hopeless, "auto",
+               Specdec(f"specdec-auto (random-init draft, {hopeless.draft_precision})", hopeless, "auto",
                        group="hopeless")]
     if config.warmup:
         _warm(methods, prompt_ids[0])
@@ -268,13 +269,14 @@ def _drop_mkl_weights(model) -> None:
 def _ray_phase(config: BenchConfig, tp: int, placement: str, spec, prompt_ids, sampling, results: Results) -> None:
     from actors import RayEngineConfig, RolePlacement, build_ray_engine
 
-    threads = config.threads or torch.get_num_threads()
+    threads = config.num_threads or torch.get_num_threads()
     engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
-                                 max_speculative_tokens=config.max_k, linear_kernel="onednn" if tp == 1 else "auto")
+                                 max_speculative_tokens=config.max_speculative_tokens,
+                                 linear_kernel="onednn" if tp == 1 else "auto")
     ray_engine = build_ray_engine(RayEngineConfig(
-        engine=engine_config, tp_size=tp, draft_placement=placement,
-        draft=RolePlacement(num_cpus=0.5, num_threads=threads),
-        target=RolePlacement(num_cpus=0.5, num_threads=max(1, threads // tp))))
+        engine=engine_config, tp=tp, draft_placement=placement,
+        draft_role=RolePlacement(num_threads=threads),
+        target_role=RolePlacement(num_threads=max(1, threads // tp))))
     try:
         name = f"ray-tp{tp}-{placement}"
         pair = Specdec(f"specdec-auto (pair of {name})", spec, "auto")

@@ -40,7 +40,7 @@ def measure(target: Path, draft: Path, precision: str, prompts, tokens: int) -> 
     from specdec import SamplingParams, SpeculativeEngine
 
     def engine(**kwargs):
-        return SpeculativeEngine.from_pretrained(str(target), draft=str(draft), draft_quantization=precision,
+        return SpeculativeEngine.from_pretrained(str(target), draft=str(draft), draft_precision=precision,
                                                  num_speculative_tokens="auto", **kwargs)
 
     def pipelined(e):

@@ -24,6 +24,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import EngineConfig
+from specdec.models.presets import DEFAULT_TARGET
+from specdec.options import add_arguments
+
 
 def _bytes_per_token(cache) -> int:
     total = 0
@@ -156,13 +160,13 @@ def compare(before: dict, after: dict, plot_path: Path | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    add_arguments(parser, EngineConfig, only=("target",), defaults={"target": DEFAULT_TARGET})
     parser.add_argument("--rows", default="1,4,8")
     parser.add_argument("--context", type=int, default=2000)
     parser.add_argument("--prompts", default="benchmarks/data/source-2k.jsonl")
-    parser.add_argument("--k", type=int, default=4)
+    add_arguments(parser, EngineConfig, only=("num_speculative_tokens",))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kernel", default="auto")
+    add_arguments(parser, EngineConfig, only=("linear_kernel",))
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
@@ -180,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.target)
     ids = tokenizer(prompt)["input_ids"][: args.context]
     rows = [int(r) for r in args.rows.split(",")]
-    results = profile(args.target, rows, ids, args.k, args.repeats, args.kernel)
-    meta = {"label": args.label, "target": args.target, "cpu": cpu_info().as_dict(), "k": args.k,
+    results = profile(args.target, rows, ids, args.num_speculative_tokens, args.repeats, args.linear_kernel)
+    meta = {"label": args.label, "target": args.target, "cpu": cpu_info().as_dict(), "num_speculative_tokens": args.num_speculative_tokens,
             "repeats": args.repeats, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

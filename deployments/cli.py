@@ -18,47 +18,22 @@ import signal
 import sys
 import time
 
-from actors.config import DRAFT_PLACEMENTS
-
 APP_NAME = "specdec"
 
 
 def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
+    from actors.cli import add_ray_arguments
     from specdec.cli import add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (Ray Serve)",
                               description="Serve /v1/completions, /v1/chat/completions and /v1/models, answered by "
                                           "lossless speculative decoding on Ray actors.")
     add_model_arguments(p)
-    g = p.add_argument_group("engine on Ray")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel target shards per replica "
-                                                                  "[default: 1]")
-    g.add_argument("--draft-placement", choices=DRAFT_PLACEMENTS, default="auto",
-                   help="the draft inside the rank-0 shard (colocated) or in its own actor (separate) [default: auto]")
-    g.add_argument("--no-pipeline", action="store_true", help="separate draft: do not pre-draft while verifying")
-    g.add_argument("--replicas", type=int, default=1, metavar="N", help="independent engines behind one ingress "
-                                                                        "[default: 1]")
-    g.add_argument("--ray-address", default=None, help="the Ray cluster to join [default: $RAY_ADDRESS, else a "
-                                                       "local Ray]")
+    add_ray_arguments(p.add_argument_group("engine on Ray"))
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind [default: 127.0.0.1]")
     h.add_argument("--port", type=int, default=8000, help="[default: 8000]")
-    h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' [default: $SPECDEC_API_KEY]")
-    h.add_argument("--served-model-name", default=None, help="the model id clients send [default: the target's name]")
-    h.add_argument("--max-ongoing-requests", type=int, default=16, metavar="N",
-                   help="requests generating at once per replica [default: 16]")
-    h.add_argument("--max-queued-requests", type=int, default=64, metavar="N",
-                   help="requests waiting beyond those; more get 503 with Retry-After [default: 64]")
-    h.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="a request still running after this fails with 408 and is cancelled [default: 600]")
-    h.add_argument("--max-n", type=int, default=8, help="largest n × prompts per request [default: 8]")
-    h.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
-                   help="sampling defaults for fields a request omits: auto = the model's generation_config.json "
-                        "(a preset's: its authors' values from the catalog); vllm or none = OpenAI's (temperature "
-                        "1, top_p 1, no penalty); DIR = the generation_config.json there [default: auto]")
-    h.add_argument("--tool-call-parser", choices=("hermes", "none"), default="hermes",
-                   help="how the model writes tool calls (vLLM's names): hermes = <tool_call>{json}</tool_call> "
-                        "(Qwen2.5, Qwen3, Hermes); none = refuse requests with tools [default: hermes]")
+    _add_serving_arguments(h)
     m = p.add_argument_group("metrics")
     m.add_argument("--metrics-port", type=int, default=8080, metavar="PORT",
                    help="the local Ray's metrics export port: Prometheus scrapes the engine's specdec_* metrics "
@@ -67,32 +42,50 @@ def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _add_serving_arguments(group) -> None:
+    """A flag for each serving option, from its one definition (the fields of `ServeOptions`' base)."""
+    import typing
+
+    from deployments.config import SERVING_OPTIONS
+    from specdec.options import flag_of, integer
+
+    for name, f in SERVING_OPTIONS.items():
+        kinds = [a for a in (typing.get_args(f.annotation) or (f.annotation,)) if a is not type(None)]
+        help_text = f.description or ""
+        if kinds == [bool]:
+            group.add_argument(flag_of(name), dest=name, action="store_true", help=help_text)
+            continue
+        kwargs = dict(dest=name, default=f.default, help=help_text)
+        if typing.get_origin(f.annotation) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(f.annotation))
+        else:
+            kwargs["type"] = {int: integer, float: float}.get(kinds[0], str)
+        if f.default is not None and "[default" not in help_text:
+            kwargs["help"] += f" [default: {f.default}]"
+        group.add_argument(flag_of(name), **kwargs)
+
+
 def options_from_args(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from deployments.config import ServeOptions
+    from actors.cli import ray_options
+    from deployments.config import ENGINE_OPTIONS, SERVING_OPTIONS, ServeOptions
     from specdec.cli import CliError
+    from specdec.options import flag_of
 
-    fields = dict(target=args.target, draft=args.draft, k=args.k, max_k=args.max_k, tp=args.tp,
-                  draft_placement=args.draft_placement, pipeline=not args.no_pipeline, device=args.device,
-                  dtype=args.dtype, threads=args.threads, linear_kernel=args.linear_kernel,
-                  draft_quantization=args.draft_quantization, draft_vocab=args.draft_vocab,
-                  ngram_first=args.ngram_first, speculative_sampling=args.speculative_sampling,
-                  replicas=args.replicas,
-                  served_model_name=args.served_model_name, max_ongoing_requests=args.max_ongoing_requests,
-                  max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                  max_n=args.max_n, api_key=args.api_key, trust_remote_code=args.trust_remote_code,
-                  allow_pickle_weights=args.allow_pickle_weights, generation_config=args.generation_config,
-                  tool_call_parser=args.tool_call_parser)
+    fields = {name: getattr(args, name) for name in (*ENGINE_OPTIONS, "num_threads", *SERVING_OPTIONS)}
     try:
-        options = ServeOptions(**fields)
-        options.ray_engine_config()  # the core's and the actors' checks, before anything starts
+        options = ServeOptions(**fields, **ray_options(args))
     except ValidationError as e:
         first = e.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        name = {"request_timeout_s": "--request-timeout", "pipeline": "--no-pipeline"}.get(
-            field, "--" + field.replace("_", "-")) if field else "options"
-        raise CliError(f"{name}: {first['msg'].removeprefix('Value error, ')}") from None
+        if first["type"] == "config":
+            field, message = first["ctx"]["field"], first["ctx"]["message"]
+        else:
+            field, message = (str(first["loc"][0]) if first["loc"] else ""), first["msg"]
+        flag = "--no-pipeline" if field == "pipeline" else flag_of(field) if field else "options"
+        message = message.removeprefix("Value error, ")
+        raise CliError(message.replace(field, flag, 1) if field and field in message
+                       else f"{flag}: {message}") from None
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 1 <= port <= 65535:
             raise CliError(f"{flag} must be in 1..65535, got {port}")
@@ -141,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         mark = phase("Serve", mark)
-        _say(f"loading {options.target} (draft {options.draft}, K {options.k}, tp {options.tp}, "
+        _say(f"loading {options.target} (draft {options.draft}, K {options.num_speculative_tokens}, tp {options.tp}, "
              f"{options.replicas} replica{'s' if options.replicas > 1 else ''}) ...")
         try:
             serve.run(build_app(options), name=APP_NAME, route_prefix="/",

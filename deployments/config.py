@@ -9,58 +9,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from actors.config import DRAFT_PLACEMENTS, RayEngineConfig, RolePlacement
-from specdec.config import DRAFT_PRECISIONS as DRAFT_QUANTIZATIONS, SAMPLING_MODES, EngineConfig, env
-from specdec.kernels.linear import LINEAR_KERNELS
+from pydantic import create_model, model_validator
+from pydantic_core import PydanticCustomError
+
+from actors.config import RayEngineConfig
+from specdec.config import EngineConfig, env
 from specdec.models.presets import DEFAULT_TARGET, short_name, suggest_draft
+from specdec.options import ConfigError, options, pydantic_fields
 
 
-class RoleOptions(BaseModel):
-    """Resources of one actor role; unset fields take the defaults of the local machine."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_cpus: float | None = Field(None, ge=0, description="CPUs reserved per actor [default: 0.5 on CPU, 1 on GPU]")
-    num_gpus: float | None = Field(None, ge=0, description="GPUs per actor [default: 1 when the device is CUDA]")
-    num_threads: int | None = Field(None, ge=1, description="torch threads per actor [default: --threads]")
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. node labels")
-    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. A10G or H100")
-
-
-class ServeOptions(BaseModel):
-    """Options of the OpenAI-compatible service (the `args` of `deployments/serve.yaml`)."""
+class _Serving(BaseModel):
+    """Options of the OpenAI-compatible service (the `args` of `deployments/serve.yaml`, the flags of
+    `specdec serve`). The engine's options are added to this class from their one definition, the
+    fields of `EngineConfig` and `RayEngineConfig` (`ServeOptions` below)."""
 
     model_config = ConfigDict(extra="forbid")
-
-    # --- models and speculation (as `specdec generate`)
-    target: str = Field(DEFAULT_TARGET, description="target model: preset, HF directory, .gguf file or hub id")
-    draft: str | None = Field(None, description="draft model, 'ngram' or 'none' [default: the preset's draft, "
-                                                "else ngram]")
-    k: int | Literal["auto"] = Field(4, description="speculative tokens per step, or 'auto'")
-    max_k: int = Field(8, ge=1, description="largest K with k='auto'")
-    tp: int = Field(1, ge=1, description="tensor-parallel target shards per replica")
-    draft_placement: Literal[DRAFT_PLACEMENTS] = Field("auto", description="colocated (in the rank-0 shard), "
-                                                                           "separate (own actor), or auto")
-    pipeline: bool = Field(True, description="pre-draft the next block while the target verifies (separate draft)")
-    device: str | None = Field(None, description="cpu, cuda, ... [default: cuda if available]")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int | None = Field(None, ge=1, description="torch threads per actor [default on CPU: the cores "
-                                                        "divided among the replicas' shards]")
-    linear_kernel: Literal[LINEAR_KERNELS] = "auto"
-    draft_quantization: Literal[DRAFT_QUANTIZATIONS] = Field(
-        "auto", description="draft precision: none, bfloat16, int8, int8-weight, or auto (measured at load)")
-    draft_vocab: int | None = Field(None, ge=1, description="the draft proposes from the N most frequent tokens "
-                                                            "[default: all]")
-    ngram_first: int = Field(0, ge=0, description="prompt-lookup matches of N+ tokens propose before the draft "
-                                                  "model (0 = off)")
-    speculative_sampling: Literal[SAMPLING_MODES] = Field(
-        "invariant", description="how sampled requests that name no mode sample: invariant (a seed gives the "
-                                 "target-only text) or residual (the most acceptance)")
-    trust_remote_code: bool = Field(False, description="run Python code shipped with a model (auto_map)")
-    allow_pickle_weights: bool = Field(False, description="load .bin/.pt pickle weights when a model has no "
-                                                          "safetensors (pickles can run code as they load)")
-    target_role: RoleOptions = Field(default_factory=RoleOptions, description="resources of each target shard")
-    draft_role: RoleOptions = Field(default_factory=RoleOptions, description="resources of the separate draft")
 
     # --- serving
     served_model_name: str | None = Field(None, description="the model id clients send [default: the target's "
@@ -95,19 +58,8 @@ class ServeOptions(BaseModel):
                              f"got {value!r}")
         return value
 
-    @field_validator("k", mode="before")
-    @classmethod
-    def _k(cls, value):
-        if isinstance(value, str) and value.strip().lower() != "auto":
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"k must be an integer >= 1 or 'auto', got {value!r}") from None
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ValueError(f"k must be an integer >= 1 or 'auto', got {value!r}")
-        return value
-
-    def model_post_init(self, __context) -> None:
+    @model_validator(mode="after")
+    def _resolve_and_check(self):
         if self.api_key is None and env("API_KEY"):
             self.api_key = SecretStr(env("API_KEY"))
         if self.require_api_key and (self.api_key is None or not self.api_key.get_secret_value()):
@@ -117,51 +69,41 @@ class ServeOptions(BaseModel):
             self.draft = suggest_draft(self.target)
         if self.served_model_name is None:
             self.served_model_name = short_name(self.target)
+        try:  # the core's and the actors' checks (one definition each), named by their field
+            self.ray_engine_config()
+        except ConfigError as e:
+            raise PydanticCustomError("config", "{field}: {message}", {"field": e.field, "message": str(e)}) from None
+        return self
 
     # ------------------------------------------------------------------ conversion, one place
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(target=self.target, draft=self.draft, num_speculative_tokens=self.k,
-                            max_speculative_tokens=self.max_k, device=self.device, dtype=self.dtype,
-                            num_threads=self.threads, linear_kernel=self.linear_kernel,
-                            draft_quantization=self.draft_quantization, draft_vocab_size=self.draft_vocab,
-                            ngram_first=self.ngram_first, speculative_sampling=self.speculative_sampling,
-                            trust_remote_code=self.trust_remote_code,
-                            allow_pickle_weights=self.allow_pickle_weights,
-                            # The replica's concurrent requests are decoded as one batch.
-                            max_batch_size=self.max_ongoing_requests,
+        values = {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        threads = self.num_threads or max(1, (os.cpu_count() or 1) // max(1, self.tp * self.replicas))
+        # The replica's concurrent requests are decoded as one batch.
+        return EngineConfig(**values, num_threads=threads, max_batch_size=self.max_ongoing_requests,
                             max_batch_tokens=max(512, self.max_ongoing_requests))
 
     def ray_engine_config(self) -> RayEngineConfig:
-        engine = self.engine_config()
-        on_gpu = _uses_cuda(self.device)
-        threads = self.threads or max(1, (os.cpu_count() or 1) // (self.tp * self.replicas))
-        return RayEngineConfig(engine=engine, tp_size=self.tp, pipeline=self.pipeline,
-                               draft_placement=self.draft_placement,
-                               draft=_role(self.draft_role, on_gpu, threads),
-                               target=_role(self.target_role, on_gpu, threads))
+        return RayEngineConfig(engine=self.engine_config(), **{name: getattr(self, name) for name in RAY_OPTIONS})
 
     def describe(self, config: RayEngineConfig) -> dict:
         """What /v1/models tells about the engine behind the model id."""
-        return {"target": self.target, "draft": self.draft, "num_speculative_tokens": self.k,
-                "max_speculative_tokens": self.max_k, "tp_size": config.tp_size,
+        return {"target": self.target, "draft": self.draft, "num_speculative_tokens": self.num_speculative_tokens,
+                "max_speculative_tokens": self.max_speculative_tokens, "tp": config.tp,
                 "draft_placement": config.draft_placement if self.draft != "none" else None,
                 "pipeline": config.pipeline, "replicas": self.replicas}
 
 
-def _uses_cuda(device: str | None) -> bool:
-    if device is not None:
-        return device.startswith("cuda")
-    import torch
+#: The engine options a service takes: `EngineConfig`'s but the batch (it follows
+#: `max_ongoing_requests`), and `RayEngineConfig`'s.
+_BATCH = ("max_batch_size", "max_batch_tokens")
+ENGINE_OPTIONS = [f.name for f in options(EngineConfig, exclude=(*_BATCH, "num_threads"))]
+RAY_OPTIONS = [f.name for f in options(RayEngineConfig)]
+#: The service's own options (pydantic fields).
+SERVING_OPTIONS = dict(_Serving.model_fields)
 
-    return torch.cuda.is_available()
-
-
-def _role(options: RoleOptions, on_gpu: bool, threads: int) -> RolePlacement:
-    return RolePlacement(
-        num_cpus=options.num_cpus if options.num_cpus is not None else (1.0 if on_gpu else 0.5),
-        num_gpus=options.num_gpus if options.num_gpus is not None else (1.0 if on_gpu else 0.0),
-        num_threads=options.num_threads or threads,
-        resources=dict(options.resources),
-        accelerator_type=options.accelerator_type,
-    )
+ServeOptions = create_model(
+    "ServeOptions", __base__=_Serving, __doc__=_Serving.__doc__,
+    **pydantic_fields(EngineConfig, exclude=_BATCH, defaults={"target": DEFAULT_TARGET, "draft": None}),
+    **pydantic_fields(RayEngineConfig))

@@ -181,9 +181,10 @@ class OpenAIRouter:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
         k = (body.speculative.num_speculative_tokens if body.speculative else None)
-        if isinstance(k, int) and k > self.options.max_k:
+        if isinstance(k, int) and k > self.options.max_speculative_tokens:
             raise APIError(400, f"speculative.num_speculative_tokens is {k}; this server allows at most "
-                                f"{self.options.max_k} (its max_k)", param="speculative.num_speculative_tokens")
+                                f"{self.options.max_speculative_tokens} (its max_speculative_tokens)",
+                           param="speculative.num_speculative_tokens")
 
     def _open(self, request_id: str, body: SamplingRequest, index: int, prompt: dict, timeout_s: float,
               defaults: dict):

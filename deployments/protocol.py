@@ -32,9 +32,8 @@ from specdec.decoding.structured_output import Constraint
 
 # --------------------------------------------------------------------------- unsupported parameters
 
-#: OpenAI parameters we know and do not implement; each may only carry its "off" value.
-UNSUPPORTED = ("suffix", "best_of", "functions", "function_call", "modalities", "audio", "prediction",
-               "reasoning_effort", "web_search_options")
+# OpenAI parameters we know and do not implement are fields typed `_off(name)`: each may only carry
+# its "off" value, and anything else is refused by name.
 _OFF = (None, False, 0, 0.0, "", [], {})
 _ALSO_OFF = {"best_of": (1,)}
 
@@ -468,6 +467,16 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class _Response(BaseModel):
+    """What every response and stream chunk carries besides its choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    speculative: dict | None = None  # the request's speculation statistics (an extension)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -476,14 +485,9 @@ class CompletionChoice(BaseModel):
     speculative: dict | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative: dict | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -492,22 +496,21 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceBase(BaseModel):
     index: int
-    message: AssistantMessage
     logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    speculative: dict | None = None
+
+
+class ChatChoice(_ChatChoiceBase):
+    message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"] | None
-    speculative: dict | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    speculative: dict | None = None
 
 
 class ToolCallDelta(BaseModel):
@@ -523,22 +526,13 @@ class Delta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_ChatChoiceBase):
     delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    speculative: dict | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    speculative: dict | None = None
 
 
 class ModelCard(BaseModel):

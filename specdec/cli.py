@@ -17,7 +17,8 @@ import json
 import logging
 import sys
 
-from specdec.config import DRAFT_PRECISIONS, SAMPLING_MODES, quiet_libraries
+from specdec.config import quiet_libraries
+from specdec.options import ConfigError, add_arguments, cli_error, from_args
 from specdec.models.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
@@ -27,103 +28,21 @@ class CliError(Exception):
     """A user error: printed without a traceback, exit code 2."""
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _k(text: str) -> int | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
-
-
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models")
-    g.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
-                   help="target model: a preset (see `specdec models list`), a local HF model directory, a .gguf "
-                        f"file, or a hub id [default: {DEFAULT_TARGET}]")
-    g.add_argument("--draft", default=None, metavar="MODEL|ngram|none",
-                   help="draft: a smaller model sharing the target's tokenizer, 'ngram' (prompt lookup) or 'none' "
-                        "(target only) [default: the preset's suggested draft, else ngram]")
-    g.add_argument("--k", type=_k, default=4, metavar="N|auto",
-                   help="speculative tokens per step, or 'auto' to choose per step [default: 4]")
-    g.add_argument("--max-k", type=_positive_int, default=8, help="largest K for --k auto [default: 8]")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [default: cuda if available]")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights dtype [default: float32 on CPU, bfloat16 on GPU]")
-    g.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch threads (set it to your physical cores; oversubscription is slow)")
-    g.add_argument("--linear-kernel", default="auto", choices=["auto", "torch", "onednn", "hybrid"],
-                   help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes "
-                        "nearly as cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL "
-                        "for 1-3 rows; torch is stock F.linear [default: auto = the fastest, measured on this CPU "
-                        "at the first load (CPU float32), cached; torch elsewhere]")
-    g.add_argument("--draft-quantization", default="auto", choices=list(DRAFT_PRECISIONS),
-                   help="precision of the draft model (lossless: it only proposes): none (as loaded), float32 "
-                        "(oneDNN prepacked), bfloat16 (oneDNN; CPUs with native bfloat16), int8 (dynamic), "
-                        "int8-weight (weight-only) [default: auto = the best expected speedup among all but int8 (its "
-                        "batch-wide activation scales make proposals depend on batch-mates), measured on this CPU "
-                        "at the first load, cached]")
-    g.add_argument("--draft-vocab", type=_positive_int, default=None, metavar="N",
-                   help="the draft proposes from the N most frequent tokens only (FR-Spec; exact: the target "
-                        "still verifies over the whole vocabulary) [default: the whole vocabulary]")
-    g.add_argument("--ngram-first", type=_non_negative_int, default=0, metavar="N",
-                   help="a prompt-lookup match of at least N tokens proposes for free before the draft model "
-                        "(0 = off) [default: 0]")
-    g.add_argument("--speculative-sampling", default="invariant", choices=list(SAMPLING_MODES),
-                   help="how sampled requests sample: invariant (a seed gives the target-only text, whatever the "
-                        "draft, K or load) or residual (rejection sampling: the most acceptance; the text also "
-                        "depends on the draft and K) [default: invariant]")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="run Python code shipped with a model (auto_map in its config); only for code you have read")
-    g.add_argument("--allow-pickle-weights", action="store_true",
-                   help="load .bin/.pt weights (Python pickles: they can run code as they load) when a model has no "
-                        "safetensors; only for files you trust [default: safetensors and GGUF only]")
+    """The engine's options (`EngineConfig`'s fields) as flags."""
+    from specdec.config import EngineConfig
+
+    add_arguments(p.add_argument_group("models and speculation"), EngineConfig,
+                  defaults={"target": DEFAULT_TARGET, "draft": None})
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The request's options (`SamplingParams`' fields) as flags, and the structured-output flags
+    (one field, `structured`, with a flag per kind of constraint)."""
+    from specdec.config import SamplingParams
+
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default: 0]")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] [default: 1]")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off [default: 0]")
-    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most [default: 256]")
-    g.add_argument("--seed", type=int, default=None, help="makes sampled output reproducible")
-    g.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop when this string appears (not included in the text); repeatable")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logits of tokens "
-                   "already in the output, in [-2, 2] [default: 0]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="times a token's count in the output, "
-                   "subtracted from its logit, in [-2, 2] [default: 0]")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's: divides positive and multiplies "
-                   "negative logits of tokens in the prompt or output [default: 1 = off]")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS in [-100, 100] to token ID's logit; repeatable")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="with --json: each token's log-probability and its N most likely alternatives (0-20)")
-    g.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no EOS before N tokens [default: 0]")
-    g.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", dest="stop_token_ids",
-                   help="this token id ends the output (kept in it); repeatable")
+    add_arguments(g, SamplingParams)
     s = g.add_mutually_exclusive_group()
     s.add_argument("--json-schema", metavar="FILE|JSON", help="constrain the output to this JSON schema (a file, "
                    "or the schema itself)")
@@ -187,47 +106,18 @@ def _load_plugins(subparsers, generate_parser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     from specdec.config import EngineConfig
-
     from specdec.models.presets import suggest_draft
 
-    return EngineConfig(
-        target=args.target,
-        draft=args.draft if args.draft is not None else suggest_draft(args.target),
-        num_speculative_tokens=args.k,
-        max_speculative_tokens=args.max_k,
-        device=args.device,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        linear_kernel=args.linear_kernel,
-        draft_quantization=args.draft_quantization,
-        draft_vocab_size=args.draft_vocab,
-        ngram_first=args.ngram_first,
-        speculative_sampling=args.speculative_sampling,
-        trust_remote_code=args.trust_remote_code,
-        allow_pickle_weights=args.allow_pickle_weights,
-    )
+    values = from_args(EngineConfig, args)
+    if values["draft"] is None:
+        values["draft"] = suggest_draft(values["target"])
+    return EngineConfig(**values)
 
 
 def sampling_from_args(args: argparse.Namespace):
     from specdec.config import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        logit_bias=_logit_bias(args.logit_bias),
-        logprobs=args.logprobs,
-        min_tokens=args.min_tokens,
-        stop_token_ids=tuple(args.stop_token_ids),
-        structured=_constraint(args),
-    )
+    return SamplingParams(**from_args(SamplingParams, args), structured=_constraint(args))
 
 
 def _constraint(args: argparse.Namespace):
@@ -259,19 +149,6 @@ def _constraint(args: argparse.Namespace):
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
     return constraint
-
-
-def _logit_bias(pairs: list[str]) -> dict[int, float]:
-    bias = {}
-    for pair in pairs:
-        token, sep, value = pair.partition("=")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise ValueError(f"--logit-bias: expected ID=BIAS (e.g. 42=-100), got {pair!r}") from None
-        if not sep:
-            raise ValueError(f"--logit-bias: expected ID=BIAS (e.g. 42=-100), got {pair!r}")
-    return bias
 
 
 def summary_line(out) -> str:
@@ -357,8 +234,8 @@ def cmd_models_calibrate(args: argparse.Namespace) -> int:
     from specdec.engine.local import SpeculativeEngine
 
     config = engine_config_from_args(args)
-    if config.linear_kernel != "auto" and config.draft_quantization != "auto":
-        raise CliError("nothing to calibrate: --linear-kernel and --draft-quantization are both set")
+    if config.linear_kernel != "auto" and config.draft_precision != "auto":
+        raise CliError("nothing to calibrate: --linear-kernel and --draft-precision are both set")
     os.environ[RECALIBRATE_ENV] = "1"  # this process only: measure, do not read cached decisions
     engine = SpeculativeEngine.from_config(config)
     calibration = engine.calibration
@@ -392,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         return args.func(args)
+    except ConfigError as e:
+        print(f"specdec: error: {cli_error(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except (CliError, ValueError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,12 +6,14 @@ Both are frozen dataclasses validated in `__post_init__`, so a bad value fails w
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
 from specdec.decoding.structured_output import Constraint
+from specdec.options import ConfigError, option
 
 #: Temperatures below this sample greedily, as vLLM does: dividing logits by a smaller one overflows
 #: float32 (every probability becomes NaN), and the limit of T -> 0 is the argmax anyway.
@@ -43,31 +45,51 @@ MAX_LOGPROBS = 20
 SAMPLING_MODES = ("invariant", "residual")
 
 
+def parse_logit_bias(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS`."""
+    token, sep, value = text.partition("=")
+    try:
+        if sep:
+            return int(token), float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `temperature=0` (or below `GREEDY_BELOW_TEMPERATURE`) is greedy
     (top_k/top_p are then irrelevant)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    max_tokens: int | None = 256  # None: until EOS, a stop string or the end of the context
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    temperature: float = option(0.0, help="0 = greedy")
+    top_p: float = option(1.0, help="nucleus sampling: keep the most likely tokens up to this mass, in (0, 1]")
+    top_k: int = option(0, help="keep the k most likely tokens; 0 = off")
+    max_tokens: int | None = option(256, help="tokens to generate at most (None: until EOS, a stop string or the "
+                                              "end of the context)")
+    seed: int | None = option(None, help="makes sampled output reproducible")
+    stop: tuple[str, ...] = option((), append=True, metavar="STR",
+                                   help="stop when this string appears (not included in the text); repeatable")
+    ignore_eos: bool = option(False, help="keep generating past the end-of-sequence token")
     # How speculation samples (`sampling.py`): "invariant" (the text depends only on the seed) or
     # "residual" (the most acceptance); None: the engine's `speculative_sampling`.
     speculative_sampling: str | None = None
     # What is done to the logits before warping (`logits_processing.py`), at every position of the
     # target and the draft alike: OpenAI's penalties over the output so far, HF's repetition penalty
     # over prompt and output, and additive biases per token id.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    presence_penalty: float = option(0.0, help="subtracted from the logits of tokens already in the output, "
+                                               "in [-2, 2]")
+    frequency_penalty: float = option(0.0, help="times a token's count in the output, subtracted from its logit, "
+                                                "in [-2, 2]")
+    repetition_penalty: float = option(1.0, help="HF's: divides positive and multiplies negative logits of tokens "
+                                                 "in the prompt or output (1 = off)")
+    logit_bias: tuple[tuple[int, float], ...] = option(  # (token id, bias) pairs; a dict is accepted
+        (), append=True, parse=parse_logit_bias, metavar="ID=BIAS",
+        help="add BIAS in [-100, 100] to token ID's logit; repeatable")
     # Log-probabilities of each emitted token from the target's verify pass, after the processing
     # and warping above: None (off), or how many of the most likely alternatives to list (0-20).
-    logprobs: int | None = None
+    logprobs: int | None = option(None, metavar="N", help="each token's log-probability and its N most likely "
+                                                          "alternatives (0-20; the command line prints them "
+                                                          "with --json)")
     # Log-probabilities of the prompt's tokens (vLLM's `prompt_logprobs`): the target's raw
     # log-softmax at each prompt position from the prefill (no penalties or warping: those shape the
     # output, not the prompt); the first token has none (NaN). None (off), or alternatives to list.
@@ -77,9 +99,11 @@ class SamplingParams:
     structured: Constraint | None = None
     # No end-of-sequence token (nor `stop_token_ids`) before this many output tokens (HF's
     # MinNewTokensLengthLogitsProcessor: those tokens' logits are -inf).
-    min_tokens: int = 0
+    min_tokens: int = option(0, metavar="N", help="no end-of-sequence token (nor --stop-token-id) before N "
+                                                  "output tokens")
     # More token ids that end the output (kept in it, as EOS is; OpenAI/vLLM's `stop_token_ids`).
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = option((), append=True, flag="--stop-token-id", metavar="ID",
+                                             help="this token id ends the output (kept in it); repeatable")
     # Set by the engine at admission: where the prompt ends (output-only penalties count after it),
     # and the model's end-of-sequence ids (`min_tokens` holds them back).
     prompt_length: int = 0
@@ -160,8 +184,13 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-#: What the draft model may run in (`draft_precision.py`); `auto` measures at load time.
+#: What the draft model may run in (`kernels/draft_precision.py`); `auto` measures at load time.
 DRAFT_PRECISIONS = ("auto", "none", "float32", "bfloat16", "int8", "int8-weight")
+
+#: How the target's linear layers run (`kernels/linear.py`); `auto` measures at load time.
+LINEAR_KERNELS = ("auto", "torch", "onednn", "hybrid")
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: `num_speculative_tokens` accepts an int or this string.
 AUTO = "auto"
@@ -171,96 +200,126 @@ AUTO = "auto"
 MAX_SPECULATIVE_TOKENS = 64
 
 
+def parse_k(text: str) -> int | str:
+    """`--num-speculative-tokens`: an integer or 'auto'."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
+
+
+def _check_int(name: str, value, minimum: int, none_ok: bool = False, note: str = "") -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, f"{name} must be an integer >= {minimum}{note}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine is built: which models, where, and how much it speculates.
 
-    `target` / `draft` are model specs (a local HF directory, a `.gguf` file, a hub id, or — for the
-    draft — `ngram` / `none`). `num_speculative_tokens` is K, or `"auto"` to pick K per step.
+    Every option of every interface is declared here once (`specdec.options`): the `specdec`
+    flags, `specdec serve`'s options and `specdec bench`'s are derived from these fields.
     """
 
-    target: str
-    draft: str = "none"
-    num_speculative_tokens: int | str = 4
-    max_speculative_tokens: int = 8  # upper bound for k="auto"
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
-    ngram_min: int = 1
-    ngram_max: int = 4
-    # Kernels (see kernels/linear.py): how the target's linear layers run, and whether the draft is quantized.
-    linear_kernel: str = "auto"  # auto | torch | onednn | hybrid
-    draft_quantization: str = "auto"  # auto (measured, on CPU) | none | float32 | bfloat16 | int8 | int8-weight
-    # The draft proposes from the N most frequent tokens (FR-Spec; None: the whole vocabulary).
-    draft_vocab_size: int | None = None
-    # Prompt-lookup matches of at least this many tokens propose before the draft model (0: never).
-    ngram_first: int = 0
-    trust_remote_code: bool = False  # run a model's own Python code (auto_map)
-    allow_pickle_weights: bool = False  # load .bin/.pt pickles when a model has no safetensors
-    # Batching (scheduler.py): requests decoded together per step, and the target tokens one step (or
-    # one prefill chunk) may feed; requests beyond the batch wait in a queue.
-    max_batch_size: int = 8
-    max_batch_tokens: int = 512
-    # How sampled requests that name no mode sample (SAMPLING_MODES; README "Guarantees").
-    speculative_sampling: str = "invariant"
+    target: str = option(help="target model: a preset (see `specdec models list`), a local HF model directory, a "
+                              ".gguf file, or a hub id", metavar="MODEL")
+    draft: str = option("none", help="draft: a smaller model sharing the target's tokenizer, 'ngram' (prompt "
+                                     "lookup) or 'none' (target only); unset: the preset's suggested draft, else "
+                                     "ngram", metavar="MODEL|ngram|none")
+    num_speculative_tokens: int | str = option(4, short="-k", parse=parse_k, metavar="N|auto",
+                                               help="K, the speculative tokens per step, or 'auto' to choose K "
+                                                    "per step from measured acceptance and cost")
+    max_speculative_tokens: int = option(8, metavar="N", help="the largest K 'auto' may choose")
+    device: str | None = option(None, help="cpu, cuda, cuda:1 ... [default: cuda if available]")
+    dtype: str = option("auto", choices=DTYPES, help="weights dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    num_threads: int | None = option(None, metavar="N", help="torch threads per process (set it to your physical "
+                                                             "cores; oversubscription is slow)")
+    ngram_min: int = option(1, metavar="N", help="prompt lookup: the shortest n-gram to match")
+    ngram_max: int = option(4, metavar="N", help="prompt lookup: the longest n-gram to match")
+    linear_kernel: str = option(
+        "auto", choices=LINEAR_KERNELS,
+        help="CPU kernel of the target's linear layers: oneDNN prepacked weights make verify passes nearly as "
+             "cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL for 1-3 rows; "
+             "torch is stock F.linear; auto = the fastest, measured on this CPU at the first load (CPU float32), "
+             "cached; torch elsewhere")
+    draft_precision: str = option(
+        "auto", choices=DRAFT_PRECISIONS,
+        help="precision of the draft model (lossless: it only proposes): none (as loaded), float32 (oneDNN "
+             "prepacked), bfloat16 (oneDNN; CPUs with native bfloat16), int8 (dynamic), int8-weight (weight-only); "
+             "auto = the best expected speedup among all but int8 (its batch-wide activation scales make "
+             "proposals depend on batch-mates), measured on this CPU at the first load, cached")
+    draft_vocab_size: int | None = option(None, metavar="N",
+                                          help="the draft proposes from the N most frequent tokens only (FR-Spec; "
+                                               "exact: the target still verifies over the whole vocabulary) "
+                                               "[default: the whole vocabulary]")
+    prompt_lookup_min: int = option(0, metavar="N", help="a prompt-lookup match of at least N tokens proposes for "
+                                                         "free before the draft model (0 = off)")
+    trust_remote_code: bool = option(False, help="run Python code shipped with a model (auto_map in its config); "
+                                                 "only for code you have read")
+    allow_pickle_weights: bool = option(False, help="load .bin/.pt weights (Python pickles: they can run code as "
+                                                    "they load) when a model has no safetensors; only for files "
+                                                    "you trust [default: safetensors and GGUF only]")
+    # Batching (engine/scheduler.py): requests beyond the batch wait in a queue.
+    max_batch_size: int = option(8, cli=False, help="requests decoded together per step")
+    max_batch_tokens: int = option(512, cli=False, help="target tokens one step (or one prefill chunk) may feed")
+    speculative_sampling: str = option(
+        "invariant", choices=SAMPLING_MODES,
+        help="how sampled requests that name no mode sample: invariant (a seed gives the target-only text, "
+             "whatever the draft, K or load) or residual (rejection sampling: the most acceptance; the text also "
+             "depends on the draft and K)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target.strip():
-            raise ValueError("target model must be given (a local directory, a .gguf file or a hub id)")
+            raise ConfigError("target", "target model must be given (a local directory, a .gguf file or a hub id)")
         k = self.num_speculative_tokens
         if isinstance(k, str):
-            if k.strip().lower() == AUTO:
-                object.__setattr__(self, "num_speculative_tokens", AUTO)
-            else:
-                try:
-                    k = int(k)
-                except ValueError:
-                    raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}") from None
-                object.__setattr__(self, "num_speculative_tokens", k)
-        k = self.num_speculative_tokens
-        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}")
-        if not isinstance(self.max_speculative_tokens, int) or self.max_speculative_tokens < 1:
-            raise ValueError(f"max_speculative_tokens must be >= 1, got {self.max_speculative_tokens!r}")
-        if self.k_max > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"k must be at most {MAX_SPECULATIVE_TOKENS}, got {self.k_max}: sliding-window caches "
-                             f"keep {MAX_SPECULATIVE_TOKENS * 4} positions to rewind a rejected proposal")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
-            raise ValueError(f"threads must be an integer >= 1, got {self.num_threads!r}")
-        from specdec.kernels.linear import LINEAR_KERNELS
-
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {self.linear_kernel!r}")
-        if self.draft_quantization not in DRAFT_PRECISIONS:
-            raise ValueError(f"draft quantization must be one of {', '.join(DRAFT_PRECISIONS)}; "
-                             f"got {self.draft_quantization!r}")
-        for name in ("max_batch_size", "max_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            try:
+                object.__setattr__(self, "num_speculative_tokens", parse_k(k))
+            except argparse.ArgumentTypeError:
+                raise ConfigError("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1 or "
+                                                            f"'auto', got {k!r}") from None
+        if not self.auto_k:
+            _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, note=" or 'auto'")
+        _check_int("max_speculative_tokens", self.max_speculative_tokens, 1)
+        if self.speculative_tokens_limit > MAX_SPECULATIVE_TOKENS:
+            name = "max_speculative_tokens" if self.auto_k else "num_speculative_tokens"
+            raise ConfigError(name, f"{name} must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                                    f"{self.speculative_tokens_limit}: sliding-window caches keep "
+                                    f"{MAX_SPECULATIVE_TOKENS * 4} positions to rewind a rejected proposal")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_int("num_threads", self.num_threads, 1, none_ok=True)
+        _check_choice("linear_kernel", self.linear_kernel, LINEAR_KERNELS)
+        _check_choice("draft_precision", self.draft_precision, DRAFT_PRECISIONS)
+        _check_int("max_batch_size", self.max_batch_size, 1)
+        _check_int("max_batch_tokens", self.max_batch_tokens, 1)
         if self.max_batch_tokens < self.max_batch_size:
-            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_batch_size "
-                             f"({self.max_batch_size}): every request in the batch feeds at least one token a step")
-        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or not isinstance(
-                self.draft_vocab_size, int) or self.draft_vocab_size < 1):
-            raise ValueError(f"draft vocabulary size must be an integer >= 1 (or None: all), got {self.draft_vocab_size!r}")
-        if self.speculative_sampling not in SAMPLING_MODES:
-            raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
-                             f"got {self.speculative_sampling!r}")
-        if isinstance(self.ngram_first, bool) or not isinstance(self.ngram_first, int) or self.ngram_first < 0:
-            raise ValueError(f"ngram_first must be an integer >= 0 (0: off), got {self.ngram_first!r}")
-        if not (1 <= self.ngram_min <= self.ngram_max):
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+            raise ConfigError("max_batch_tokens", f"max_batch_tokens ({self.max_batch_tokens}) must be >= "
+                                                  f"max_batch_size ({self.max_batch_size}): every request in the "
+                                                  f"batch feeds at least one token a step")
+        _check_int("draft_vocab_size", self.draft_vocab_size, 1, none_ok=True, note=" (or None: all)")
+        _check_choice("speculative_sampling", self.speculative_sampling, SAMPLING_MODES)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 0, note=" (0: off)")
+        _check_int("ngram_min", self.ngram_min, 1)
+        if not self.ngram_min <= self.ngram_max:
+            raise ConfigError("ngram_max", f"need ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
     @property
     def auto_k(self) -> bool:
         return self.num_speculative_tokens == AUTO
 
     @property
-    def k_max(self) -> int:
-        """The largest K any step may use."""
+    def speculative_tokens_limit(self) -> int:
+        """Not an option: the largest K any step may use, `max_speculative_tokens` with 'auto' and
+        `num_speculative_tokens` otherwise (it sizes buffers and the sliding-window rewind)."""
         if self.auto_k:
             return self.max_speculative_tokens
         return int(self.num_speculative_tokens)

@@ -67,7 +67,7 @@ def _options(serve_config: dict):
 
 def test_cluster_serve_config_parses_and_builds_a_separate_pipelined_engine(serve_config):
     options, config = _options(serve_config)
-    assert config.draft_placement == "separate" and config.pipeline and config.tp_size >= 2
+    assert config.draft_placement == "separate" and config.pipeline and config.tp >= 2
     assert "api_key" not in serve_config["applications"][0]["args"]  # from $SPECDEC_API_KEY, never in the file
     assert serve_config["http_options"]["host"] == "127.0.0.1"
 
@@ -88,16 +88,16 @@ def _node_types(cluster: dict) -> dict[str, tuple[dict, int]]:
 def test_every_role_resource_is_offered_by_a_node_type_with_enough_for_the_tp_size(cluster, serve_config):
     options, config = _options(serve_config)
     node_types = _node_types(cluster)
-    shard, draft = config.target.bundle(), config.draft.bundle()
+    shard, draft = config.target_role.bundle(), config.draft_role.bundle()
     # All TP shards of one replica share one node (STRICT_PACK).
-    one_replica = {key: value * config.tp_size for key, value in shard.items()}
+    one_replica = {key: value * config.tp for key, value in shard.items()}
     for role, need, count in (("target", one_replica, options.replicas), ("draft", draft, options.replicas)):
         fits = {name: min(int(res.get(k, 0) // v) for k, v in need.items() if v) * workers
                 for name, (res, workers) in node_types.items()}
         capable = {name: n for name, n in fits.items() if n}
         assert capable, f"no node type of cluster.yaml offers the {role} role's {need}"
         assert sum(capable.values()) >= count, f"{role}: {count} replicas need more than {capable}"
-    custom = set(config.target.resources) | set(config.draft.resources)
+    custom = set(config.target_role.resources) | set(config.draft_role.resources)
     assert custom and all(re.fullmatch(r"specdec_[a-z]+", name) for name in custom)
 
 

@@ -9,7 +9,7 @@ engine runs, not assumed:
   linearly in between), of one draft forward, of the fixed cost of asking the draft at all (a Ray
   round trip when it runs in another actor; ~0 in-process), and of the per-step overhead;
 - `AutoK` (one per request) keeps decayed acceptance estimates per proposal position and picks
-  the K in 0..k_max that maximises expected tokens per second. K = 0 is plain target decoding: when speculation does not
+  the K in 0..speculative_tokens_limit that maximises expected tokens per second. K = 0 is plain target decoding: when speculation does not
   pay (a hopeless draft, or a draft nearly as slow as the target), the request falls back to it and
   only probes the draft now and then, with exponentially growing intervals.
 
@@ -40,22 +40,22 @@ class FixedK:
 
 class HeuristicK:
     """K from the request's own acceptance alone: Hugging Face assisted generation's "heuristic"
-    schedule (+2 after a wholly accepted proposal, -1 otherwise, within 1..k_max).
+    schedule (+2 after a wholly accepted proposal, -1 otherwise, within 1..speculative_tokens_limit).
 
     Auto-K weighs measured timings and the batch; this does not, so the K sequence (and with it a
     residual-sampled request's text) is a function of the request alone. Used for seeded
     `residual` requests that ask for auto."""
 
-    def __init__(self, k_max: int, k_initial: int = 4) -> None:
-        self.k_max = k_max
-        self.k = max(1, min(k_initial, k_max))
+    def __init__(self, speculative_tokens_limit: int, k_initial: int = 4) -> None:
+        self.speculative_tokens_limit = speculative_tokens_limit
+        self.k = max(1, min(k_initial, speculative_tokens_limit))
 
     def next_k(self) -> int:
         return self.k
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed > 0:
-            self.k = min(self.k + 2, self.k_max) if num_accepted >= num_proposed else max(1, self.k - 1)
+            self.k = min(self.k + 2, self.speculative_tokens_limit) if num_accepted >= num_proposed else max(1, self.k - 1)
 
 
 @dataclass
@@ -182,7 +182,7 @@ class AutoK:
     def __init__(
         self,
         costs: CostModel,
-        k_max: int,
+        speculative_tokens_limit: int,
         k_initial: int = 4,
         prior_alpha: float = 0.6,
         prior_weight: float = 2.0,
@@ -191,11 +191,11 @@ class AutoK:
         max_probe_interval: int = 256,
     ) -> None:
         self.costs = costs
-        self.k_max = k_max
-        self.k_initial = min(k_initial, k_max)
+        self.speculative_tokens_limit = speculative_tokens_limit
+        self.k_initial = min(k_initial, speculative_tokens_limit)
         self.prior_alpha, self.prior_weight, self.decay = prior_alpha, prior_weight, decay
-        self.accepted = [0.0] * k_max  # decayed counts per position
-        self.reached = [0.0] * k_max
+        self.accepted = [0.0] * speculative_tokens_limit  # decayed counts per position
+        self.reached = [0.0] * speculative_tokens_limit
         self.probe_interval = self.min_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.steps_without_draft = 0
@@ -222,7 +222,7 @@ class AutoK:
         self.reached = [r * self.decay for r in self.reached]
         # Positions the target judged: the accepted ones plus the first rejected one, if any.
         judged = min(num_proposed, num_accepted + 1)
-        for j in range(min(judged, self.k_max)):
+        for j in range(min(judged, self.speculative_tokens_limit)):
             self.reached[j] += 1
             if j < num_accepted:
                 self.accepted[j] += 1
@@ -249,7 +249,7 @@ class AutoK:
         return (self.expected_tokens(k) + other_expected) / seconds if seconds > 0 else None
 
     def best_k(self, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> int:
-        rates = {k: self.rate(k, other_tokens, other_expected, rows) for k in range(self.k_max + 1)}
+        rates = {k: self.rate(k, other_tokens, other_expected, rows) for k in range(self.speculative_tokens_limit + 1)}
         if rates[0] is None:
             return 0  # measure plain decoding first: it is the baseline every K is weighed against
         if rates[self.k_initial] is None:
@@ -269,7 +269,7 @@ class AutoK:
                 # Probe: a short proposal refreshes the acceptance estimate; back off while it stays bad.
                 self.steps_without_draft = 0
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
-                k = min(2, self.k_max)
+                k = min(2, self.speculative_tokens_limit)
         self.last_k = k
         return k
 
@@ -281,7 +281,7 @@ def make_policy(config: EngineConfig, costs: CostModel, override: int | str | No
         return FixedK(0)
     k = config.num_speculative_tokens if override is None else override
     if isinstance(k, str) and k.strip().lower() == AUTO:
-        return AutoK(costs, config.max_speculative_tokens if override is not None else config.k_max)
+        return AutoK(costs, config.max_speculative_tokens if override is not None else config.speculative_tokens_limit)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1 or 'auto', got {k!r}")
     return FixedK(k)

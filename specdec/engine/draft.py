@@ -44,8 +44,8 @@ class Draft:
 def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_size: int,
                 target: LoadedModel | None = None, target_kernel: Calibration | None = None) -> Draft:
     """The proposer `config.draft` names: none, n-gram lookup, or a draft model (prepared at
-    `config.draft_quantization`, over `config.draft_vocab_size` tokens, behind prompt lookup when
-    `config.ngram_first`). `target` (optional) is what `auto` precision measures acceptance and cost
+    `config.draft_precision`, over `config.draft_vocab_size` tokens, behind prompt lookup when
+    `config.prompt_lookup_min`). `target` (optional) is what `auto` precision measures acceptance and cost
     against; `target_kernel`, the target's kernel calibration, gives the verify pass's cost curve."""
     if config.draft == "none":
         return Draft(None)
@@ -60,14 +60,14 @@ def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_si
         from specdec.models.draft_vocab import draft_token_ids
 
         vocab_ids = draft_token_ids(draft.tokenizer, min(draft.vocab_size, target_vocab_size), config.draft_vocab_size)
-    precision, measurements, record = config.draft_quantization, [], None
+    precision, measurements, record = config.draft_precision, [], None
     if precision == "auto":
         slope = VERIFY_SLOPE
         if target_kernel is not None and target_kernel.predicted.get("verify_ratio"):
             slope = max(0.0, (target_kernel.predicted["verify_ratio"] - 1) / (VERIFY_TOKENS - 1))
         with stage("choose draft precision", "auto") as note:
             precision, measurements, record = choose_precision(
-                draft, target, vocab_token_ids=vocab_ids, k_max=config.k_max, verify_slope=slope,
+                draft, target, vocab_token_ids=vocab_ids, speculative_tokens_limit=config.speculative_tokens_limit, verify_slope=slope,
                 target_kernel=target_kernel.choice if target_kernel is not None else "")
             if record is not None:
                 note.detail = record.describe()
@@ -75,10 +75,10 @@ def build_draft(config: EngineConfig, draft: LoadedModel | None, target_vocab_si
         model = prepare_draft(draft.model, precision, vocab_ids, source=draft.source)
     prepared = dataclasses.replace(draft, model=model) if model is not draft.model else draft
     proposer = DraftModelProposer(ModelRunner(prepared, vocab_size=target_vocab_size))
-    if config.ngram_first:
-        proposer = HybridProposer(proposer, config.ngram_first, max(config.ngram_max, config.ngram_first))
+    if config.prompt_lookup_min:
+        proposer = HybridProposer(proposer, config.prompt_lookup_min, max(config.ngram_max, config.prompt_lookup_min))
     logger.info("draft %s: %s, %s vocabulary%s", config.draft, precision,
                 "full" if vocab_ids is None else f"{vocab_ids.numel()}-token",
-                f", prompt lookup first (matches of {config.ngram_first}+)" if config.ngram_first else "")
+                f", prompt lookup first (matches of {config.prompt_lookup_min}+)" if config.prompt_lookup_min else "")
     return Draft(proposer, precision, None if vocab_ids is None else int(vocab_ids.numel()), measurements, prepared,
                  record)

@@ -21,25 +21,27 @@ background thread: they are batched, up to `max_batch_size` requests per step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
 from specdec.engine import startup
 from specdec.engine.backends import DraftCapabilities
 from specdec.config import EngineConfig, SamplingParams
-from specdec.engine.draft import build_draft
+from specdec.engine.build import Target, load_draft, load_target, prepare_loaded_target
+from specdec.engine.draft import Draft, build_draft
 from specdec.kernels.calibration import runtime_check, summarize
-from specdec.kernels.linear import VERIFY_TOKENS, prepare_target, settle_linear_kernel
+from specdec.kernels.linear import VERIFY_TOKENS
 from specdec.models.model_runner import ModelRunner
-from specdec.models.loading import LoadedModel, load_model, select_device, set_threads
+from specdec.models.loading import LoadedModel, set_threads
 from specdec.engine.pools import DraftPool, TargetPool
-from specdec.decoding.proposers import NON_MODEL_DRAFTS
-from specdec.engine.prompt import Prompt, resolve_prompt, tokenize_prompt
-from specdec.engine.request import GenerationRequest, as_request
+from specdec.engine.prompt import Prompt, PromptResolver, tokenize_prompt
+from specdec.engine.api import Engine, last_chunk
+from specdec.engine.request import GenerationRequest, as_request, as_requests
 from specdec.engine.scheduler import Scheduler, received
 from specdec.engine.request_state import GenerationOutput, StreamChunk
 from specdec.decoding.speculation_length import CostModel
@@ -53,39 +55,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(Engine):
     """Target model + proposer + the batch scheduler, in this process; thread-safe (concurrent calls batch)."""
 
-    def __init__(self, config: EngineConfig, target: LoadedModel, draft: LoadedModel | None = None,
-                 linear_kernel: str | None = None) -> None:
-        """`linear_kernel`: the kernel already applied to the target's linears (`from_config` prepares
-        them while the tokenizer loads); None applies `config.linear_kernel` here."""
+    def __init__(self, config: EngineConfig, target: LoadedModel | Target,
+                 draft: LoadedModel | Draft | None = None) -> None:
+        """`target`: a loaded target (its kernel is prepared here) or one `build.load_target` prepared;
+        `draft`: a loaded draft model (built here), a built `Draft`, or None (n-gram lookup, none)."""
         self.config = config
         self.startup_seconds: dict[str, float] = {}  # stage -> seconds (`startup.py`), by from_config
+        if not isinstance(target, Target):
+            target = prepare_loaded_target(config, target)
+        self.linear_kernel, self.kernel_record = target.linear_kernel, target.kernel_record
+        target = target.loaded
         self.target_model = target
         self.tokenizer = target.tokenizer
-        kernel = linear_kernel or prepare_target(target.model, config.linear_kernel,
-                                                 speculating=config.draft != "none")
-        self.linear_kernel, self.kernel_record = settle_linear_kernel(target, kernel)
         self.target = ModelRunner(target)
-        built = build_draft(config, draft, self.target.vocab_size, target=target, target_kernel=self.kernel_record)
+        self.resolve = PromptResolver(self.tokenizer, self.target.vocab_size, self.target.max_context, target.spec,
+                                      lambda: target.eos_token_ids, config.trust_remote_code)
+        built = draft if isinstance(draft, Draft) else build_draft(config, draft, self.target.vocab_size,
+                                                                     target=target, target_kernel=self.kernel_record)
         self.proposer = built.proposer
-        self.draft_quantization = built.precision
+        self.draft_precision = built.precision
         self.draft_vocab_size = built.vocab_size
         self.draft_calibration = built.measurements
         self.draft_record = built.record
         self.draft_model = built.model
         self.costs = CostModel()
         self.calibration_check = runtime_check(summarize(self.kernel_record, self.linear_kernel),
-                                               summarize(self.draft_record, self.draft_quantization), VERIFY_TOKENS)
+                                               summarize(self.draft_record, self.draft_precision), VERIFY_TOKENS)
         pool = TargetPool(self.target)
         self.target_pool = pool
         self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
         self.scheduler = Scheduler(config, LocalTarget(pool, self.target.device),
                                    LocalDraft(self.draft_pool, self.draft_device) if self.draft_pool is not None else None,
-                                   tokenizer=self.tokenizer, eos_token_ids=lambda: target.eos_token_ids,
-                                   vocab_size=self.target.vocab_size, max_context=self.target.max_context,
-                                   costs=self.costs)
+                                   self.resolve, costs=self.costs)
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stop = False
@@ -94,7 +98,7 @@ class SpeculativeEngine:
     def calibration(self) -> dict:
         """What the load-time measurements chose and from what (`calibration.Record.summary`)."""
         return {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
-                "draft_precision": summarize(self.draft_record, self.draft_quantization),
+                "draft_precision": summarize(self.draft_record, self.draft_precision),
                 "contradicted": dict(self.calibration_check.contradicted)}
 
     @property
@@ -120,20 +124,10 @@ class SpeculativeEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "SpeculativeEngine":
         set_threads(config.num_threads)
-        device = select_device(config.device)
-        kernel: list[str] = []
-
-        def prepare(model: torch.nn.Module) -> None:
-            kernel.append(prepare_target(model, config.linear_kernel, speculating=config.draft != "none"))
-
         with startup.recording() as seconds:
-            target = load_model(config.target, device, config.dtype, config.trust_remote_code,
-                                allow_pickle=config.allow_pickle_weights, role="target", prepare=prepare)
-            draft = None
-            if config.draft not in NON_MODEL_DRAFTS:
-                draft = load_model(config.draft, device, config.dtype, config.trust_remote_code,
-                                   allow_pickle=config.allow_pickle_weights, tokenizer_of=target, role="draft")
-            engine = cls(config, target, draft, linear_kernel=kernel[0])
+            target = load_target(config)
+            draft = load_draft(config, target.loaded.vocab_size, target)
+            engine = cls(config, target, draft)
         engine.startup_seconds = seconds
         return engine
 
@@ -143,43 +137,36 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------------------ generation
 
-    def generate(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> GenerationOutput:
-        """Generate a completion; returns text, token ids, finish reason, usage and speculation stats.
-
-        Pass a `GenerationRequest`, or its fields: `prompt` is text, or with `chat=True` a list of
-        {"role", "content"} messages; or `prompt_token_ids`; `sampling`; `num_speculative_tokens`
-        overrides the engine's K (an int, "auto", or 0 for target-only) for this request.
-        """
-        last = None
-        for last in self.generate_stream(prompt, **fields):
-            pass
-        assert last is not None and last.output is not None
-        return last.output
-
     def generate_stream(self, prompt: Prompt | GenerationRequest | None = None, **fields) -> Iterator[StreamChunk]:
         """Yield what each step commits; the last chunk carries the finish reason and the whole output.
         Closing the iterator early cancels the request and frees its caches."""
-        request = self._request(prompt, fields)
-        return self._stream(*self._submit(request, *self._resolve(request)))
+        request = as_request(prompt, **fields)
+        return self._stream(*self._submit(request, *self.resolve(request)))
+
+    async def generate_async(self, prompt: Prompt | GenerationRequest | None = None,
+                             **fields) -> AsyncIterator[StreamChunk]:
+        """`generate_stream` for asyncio: chunks arrive on the running event loop (the scheduler runs
+        in its own thread), so many requests stream from one loop. Closing or cancelling the stream
+        cancels the request and frees its caches."""
+        request = as_request(prompt, **fields)
+        ids, sampling = await asyncio.to_thread(self.resolve, request)  # a grammar may compile: off the loop
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        item = self.scheduler.submit(request, ids, sampling, lambda x: loop.call_soon_threadsafe(out.put_nowait, x))
+        self._ensure_thread()
+        try:
+            while (chunk := received(await out.get())) is not None:
+                yield chunk
+        finally:
+            self.scheduler.cancel(item)  # a no-op once the request has ended
 
     def generate_batch(self, requests: Sequence[GenerationRequest | Prompt]) -> list[GenerationOutput]:
         """Generate many completions together (one batch, `max_batch_size` rows at a time); outputs in
         the order of `requests`. Each is what it would be alone (greedy: token for token)."""
-        requests = [r if isinstance(r, GenerationRequest) else GenerationRequest(prompt=r) for r in requests]
-        resolved = [self._resolve(r) for r in requests]  # every request is valid before any starts
+        requests = as_requests(requests)
+        resolved = [self.resolve(r) for r in requests]  # every request is valid before any starts
         submitted = [self._submit(r, *ids_sampling) for r, ids_sampling in zip(requests, resolved)]
-        return [_last(self._stream(*s)).output for s in submitted]
-
-    def _request(self, prompt, fields) -> GenerationRequest:
-        if isinstance(prompt, GenerationRequest):
-            return as_request(prompt, **fields)
-        return as_request(prompt=prompt, **fields)
-
-    def _resolve(self, request: GenerationRequest):
-        return resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
-                              request.sampling, self.target.vocab_size, self.target.max_context,
-                              self.target_model.spec, self.target_model.eos_token_ids,
-                              self.config.trust_remote_code, request.tools)
+        return [last_chunk(self._stream(*s)).output for s in submitted]
 
     def _submit(self, request: GenerationRequest, ids: list[int], sampling: SamplingParams):
         out: queue.SimpleQueue = queue.SimpleQueue()
@@ -211,20 +198,19 @@ class SpeculativeEngine:
                 self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            if self._stop or not self.scheduler.wait_for_work(timeout=30.0):
-                with self._thread_lock:
-                    if self._stop or not self.scheduler.num_active:
-                        self._thread = None
-                        return
-                continue
-            try:
-                with torch.inference_mode():
-                    self.scheduler.run_once()
-                self.calibration_check.after_step(self.costs)
-            except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
-                logger.exception("scheduler step failed")
-                self.scheduler.fail_all(e)
+        self.scheduler.drive(stop=lambda: self._stop, after_step=lambda: self.calibration_check.after_step(self.costs),
+                             idle_s=30.0, on_idle=self._retire)
+        with self._thread_lock:
+            if self._stop:
+                self._thread = None
+
+    def _retire(self) -> bool:
+        """Idle: end the thread unless work arrived meanwhile (the next request starts a new one)."""
+        with self._thread_lock:
+            if not self.scheduler.num_active:
+                self._thread = None
+                return True
+        return False
 
 
 class LocalTarget:
@@ -260,10 +246,3 @@ class LocalDraft:
 
     def release(self, request_ids):
         self.pool.release(request_ids)
-
-
-def _last(chunks: Iterator[StreamChunk]) -> StreamChunk:
-    last = None
-    for last in chunks:
-        pass
-    return last

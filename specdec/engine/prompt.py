@@ -3,9 +3,10 @@ checks every engine applies before generating (non-empty, ids in the vocabulary,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import dataclasses
+from dataclasses import dataclass
 
 from specdec.decoding import structured_output
 from specdec.config import SamplingParams
@@ -110,3 +111,27 @@ def resolve_prompt(tokenizer, prompt: Prompt | None, prompt_token_ids: Sequence[
         structured_output.check(constraint)
         sampling = sampling.replace(structured=constraint)
     return ids, sampling
+
+
+@dataclass(frozen=True)
+class PromptResolver:
+    """`resolve_prompt` bound to one target model: called with a `GenerationRequest`, returns its
+    checked ids and its sampling parameters made concrete (both engines call it at admission)."""
+
+    tokenizer: object
+    vocab_size: int
+    max_context: int
+    model_name: str  # the target's spec (structured output loads its vocabulary from it elsewhere)
+    #: The model's end-of-sequence ids, or a function giving them (read at each request: a model's
+    #: generation config may change between requests).
+    eos: Sequence[int] | Callable[[], Sequence[int]]
+    trust_remote_code: bool = False
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.eos() if callable(self.eos) else self.eos)
+
+    def __call__(self, request) -> tuple[list[int], SamplingParams]:
+        return resolve_prompt(self.tokenizer, request.prompt, request.prompt_token_ids, request.chat,
+                              request.sampling, self.vocab_size, self.max_context, self.model_name,
+                              self.eos_token_ids, self.trust_remote_code, request.tools)

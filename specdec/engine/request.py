@@ -40,10 +40,14 @@ class RequestTimeout(TimeoutError):
     """The request ran past its `timeout_s`; it was stopped at a step boundary and its caches freed."""
 
 
-def as_request(request: GenerationRequest | None = None, **fields) -> GenerationRequest:
-    """A `GenerationRequest` from one, or from its fields as keyword arguments."""
-    if request is not None:
+def as_request(prompt: Prompt | GenerationRequest | None = None, **fields) -> GenerationRequest:
+    """A `GenerationRequest`: the one given, or one made from the prompt and the other fields."""
+    if isinstance(prompt, GenerationRequest):
         if fields:
             raise TypeError("pass a GenerationRequest or its fields, not both")
-        return request
-    return GenerationRequest(**fields)
+        return prompt
+    return GenerationRequest(prompt=prompt, **fields)
+
+
+def as_requests(requests: Sequence[GenerationRequest | Prompt]) -> list[GenerationRequest]:
+    return [as_request(r) for r in requests]

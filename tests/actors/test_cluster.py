@@ -51,9 +51,9 @@ def cluster():
 def _config(target, draft, target_resources=None, draft_resources=None, timeout_s=60.0) -> RayEngineConfig:
     return RayEngineConfig(
         engine=EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=4, num_threads=1),
-        tp_size=2, draft_placement="separate", pipeline=True, placement_timeout_s=timeout_s,
-        draft=RolePlacement(num_cpus=0.5, resources=draft_resources or {"specdec_draft": 1}),
-        target=RolePlacement(num_cpus=0.5, resources=target_resources or {"specdec_target": 1}))
+        tp=2, draft_placement="separate", pipeline=True, placement_timeout_s=timeout_s,
+        draft_role=RolePlacement(num_cpus=0.5, resources=draft_resources or {"specdec_draft": 1}),
+        target_role=RolePlacement(num_cpus=0.5, resources=target_resources or {"specdec_target": 1}))
 
 
 def test_roles_land_on_their_nodes_and_greedy_output_is_unchanged(cluster, tiny_llama, tiny_llama_draft):

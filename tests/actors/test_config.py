@@ -17,16 +17,16 @@ def test_auto_colocates_when_both_roles_share_cpu_cores():
 @pytest.mark.parametrize("role", [RolePlacement(num_gpus=1), RolePlacement(resources={"small_gpu": 1}),
                                   RolePlacement(accelerator_type="A10G")])
 def test_auto_separates_the_draft_on_heterogeneous_hardware(role):
-    config = RayEngineConfig(engine=CONFIG, draft=role)
+    config = RayEngineConfig(engine=CONFIG, draft_role=role)
     assert config.draft_placement == "separate" and not config.colocated
     assert config.pipeline is True
 
 
 def test_explicit_placements_and_errors():
     assert RayEngineConfig(engine=CONFIG, draft_placement="separate").pipeline is True
-    assert RayEngineConfig(engine=CONFIG, draft_placement="colocated", draft=RolePlacement(num_gpus=1)).colocated
+    assert RayEngineConfig(engine=CONFIG, draft_placement="colocated", draft_role=RolePlacement(num_gpus=1)).colocated
     assert not RayEngineConfig(engine=EngineConfig(target="t", draft="none")).colocated  # nothing to colocate
-    with pytest.raises(ValueError, match="draft placement must be one of auto, colocated, separate"):
+    with pytest.raises(ValueError, match="draft_placement must be one of auto, colocated, separate"):
         RayEngineConfig(engine=CONFIG, draft_placement="nearby")
 
 

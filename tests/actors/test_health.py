@@ -34,7 +34,7 @@ def tiny_deep_llama(tmp_path_factory):
 
 
 def _engine(target):
-    return build_ray_engine(RayEngineConfig(engine=EngineConfig(target=str(target), draft="none"), target=SMALL,
+    return build_ray_engine(RayEngineConfig(engine=EngineConfig(target=str(target), draft="none"), target_role=SMALL,
                                             health_stall_s=STALL_S))
 
 

@@ -26,7 +26,7 @@ def in_process(tiny_llama, tiny_llama_draft):
     # A fixed draft precision: `auto` measures timings at load, so two engines may choose differently,
     # and seeded sampling is bit-identical only with the same draft proposals.
     return SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4,
-                                             draft_quantization=DRAFT_PRECISION)
+                                             draft_precision=DRAFT_PRECISION)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,10 @@ def ray_engines(ray_session, tiny_llama, tiny_llama_draft):
         key = (tp, pipeline, draft, k, placement)
         if key not in built:
             config = EngineConfig(target=str(tiny_llama), draft=draft or str(tiny_llama_draft), num_speculative_tokens=k,
-                                  draft_quantization=DRAFT_PRECISION)
+                                  draft_precision=DRAFT_PRECISION)
             small = RolePlacement(num_cpus=0.1, num_threads=1)  # several engines share the 2 test CPUs
-            built[key] = build_ray_engine(RayEngineConfig(engine=config, tp_size=tp, pipeline=pipeline, draft=small,
-                                                          target=small, draft_placement=placement))
+            built[key] = build_ray_engine(RayEngineConfig(engine=config, tp=tp, pipeline=pipeline, draft_role=small,
+                                                          target_role=small, draft_placement=placement))
         return built[key]
 
     yield get
@@ -226,7 +226,7 @@ def test_failing_colocated_draft_falls_back_to_target_only(ray_session, tiny_lla
     small = RolePlacement(num_cpus=0.1, num_threads=1)
     engine = build_ray_engine(RayEngineConfig(
         engine=EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4),
-        tp_size=1, draft=small, target=small, draft_placement="colocated"))
+        tp=1, draft_role=small, target_role=small, draft_placement="colocated"))
     try:
         def break_draft(shard):
             def boom(*args, **kwargs):
@@ -270,7 +270,7 @@ def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_v
     small = RolePlacement(num_cpus=0.1, num_threads=1)
     engine = build_ray_engine(RayEngineConfig(
         engine=EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=2),
-        tp_size=1, pipeline=True, draft=small, target=small, draft_placement="separate"))
+        tp=1, pipeline=True, draft_role=small, target_role=small, draft_placement="separate"))
     try:
         params = SamplingParams(temperature=1.0)
         local = SpeculativeEngine.from_pretrained(str(target), draft="none")

@@ -20,9 +20,9 @@ def test_sliding_window_family_tp2_batched_equals_hf(ray_session, tmp_path, fami
     target, draft = make_family_pair(tmp_path, family)
     references = hf_greedy_references(target, PROMPTS, MAX_TOKENS)
     config = EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=4,
-                          draft_quantization="none")
+                          draft_precision="none")
     small = RolePlacement(num_cpus=0.1, num_threads=1)
-    engine = build_ray_engine(RayEngineConfig(engine=config, tp_size=2, draft=small, target=small))
+    engine = build_ray_engine(RayEngineConfig(engine=config, tp=2, draft_role=small, target_role=small))
     try:
         outs = engine.generate_batch([GenerationRequest(prompt_token_ids=p,
                                                         sampling=SamplingParams(max_tokens=MAX_TOKENS))

@@ -13,7 +13,7 @@ def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys
     prompts.write_text('"w5 w6 w7 w8 w9 w10"\n{"id": "second", "prompt": "w3 w1 w2 w3 w1 w2 w3"}\n')
     out = tmp_path / "out"
     code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
-                 "--limit", "2", "--max-tokens", "16", "--k-sweep", "1,3", "--max-k", "4", "--ray-tp", "1",
+                 "--limit", "2", "--max-tokens", "16", "--k-sweep", "1,3", "--max-speculative-tokens", "4", "--ray-tp", "1",
                  "--out", str(out)])
     assert code == 0
     data = json.loads((out / "bench.json").read_text())
@@ -59,7 +59,7 @@ def test_bench_concurrency_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_ses
     prompts.write_text("\n".join(f'"w{i} w{i + 1} w{i + 2} w3 w1 w2 w3 w1"' for i in range(4, 10)) + "\n")
     out = tmp_path / "out"
     code = main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
-                 "--max-tokens", "12", "--max-k", "4", "--concurrency", "1,3", "--out", str(out)])
+                 "--max-tokens", "12", "--max-speculative-tokens", "4", "--concurrency", "1,3", "--out", str(out)])
     assert code == 0
     rows = json.loads((out / "bench-concurrency.json").read_text())["summary"]
     by = {(r["method"], r["concurrency"]): r for r in rows}
@@ -86,7 +86,7 @@ def test_bench_levers(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
                  "--max-tokens", "16", "--k-sweep", "", "--no-ray", "--no-prompt-lookup", "--no-ngram",
-                 "--precisions", "none,int8-weight", "--draft-vocabs", "40", "--ngram-first", "3", "--hopeless", "1",
+                 "--precisions", "none,int8-weight", "--draft-vocabs", "40", "--prompt-lookup-mins", "3", "--hopeless", "1",
                  "--out", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     rows = {r["method"]: r for r in data["summary"]}

@@ -60,7 +60,7 @@ class Server:
 def server(tiny_chat_llama, tiny_chat_llama_draft):
     port, metrics_port = free_port(), free_port()
     proc = _serve("--target", str(tiny_chat_llama), "--draft", str(tiny_chat_llama_draft), "--draft-placement",
-                  "separate", "--port", str(port), "--metrics-port", str(metrics_port), "--threads", "1",
+                  "separate", "--port", str(port), "--metrics-port", str(metrics_port), "--num-threads", "1",
                   "--api-key", KEY, "--served-model-name", MODEL, "--replicas", "2")
     try:
         base = read_line(proc.stdout, timeout_s=300)
@@ -321,13 +321,13 @@ def test_every_dashboard_query_is_live_in_a_real_prometheus(server, prometheus, 
 
 @pytest.mark.parametrize("args, words", [
     (["--target", "/no/such/model"], "does not exist"),
-    (["--k", "0"], "--k"),
+    (["-k", "0"], "--num-speculative-tokens"),
     (["--tp", "0"], "--tp"),
     (["--port", "70000"], "--port"),
     (["--metrics-port", "0"], "--metrics-port"),
     (["--port", "8000", "--metrics-port", "8000"], "--metrics-port"),
     (["--replicas", "0"], "--replicas"),
-    (["--request-timeout", "0"], "--request-timeout"),
+    (["--request-timeout-s", "0"], "--request-timeout-s"),
 ])
 def test_specdec_serve_rejects_bad_options_with_exit_2(tiny_chat_llama, args, words, capsys):
     """In process, as the console script runs main() (the test below runs the script itself); each
@@ -381,9 +381,12 @@ def test_every_dashboard_query_has_data_a_minute_after_the_last_request(server, 
         assert len(series) == 2 and all(s["value"][1] == "0" for s in series), (gauge, series)
     engines = [s["metric"] for s in prometheus.query("ray_specdec_engine_info == 1")]
     assert len({e["replica"] for e in engines}) == 2, engines
+    # Each replica measures its kernel at load; on a busy machine two may choose differently (a
+    # measurement made under load is not cached), so /v1/models reports one of the replicas' choices.
     linear_kernel = server.client.models.list().data[0].model_extra["specdec"]["linear_kernel"]
+    assert linear_kernel in {e["linear_kernel"] for e in engines}, (linear_kernel, engines)
     for engine in engines:
-        assert engine["model_name"] == MODEL and engine["linear_kernel"] == linear_kernel, engine
+        assert engine["model_name"] == MODEL and engine["linear_kernel"] in ("torch", "onednn", "hybrid"), engine
         assert engine["cpu"] == cpu_info().model and engine["isa"] == cpu_info().isa, engine
         assert engine.get("draft_precision") not in (None, "None"), engine  # a draft model: its precision
 

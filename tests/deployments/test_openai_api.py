@@ -88,17 +88,17 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     build_app, args = _builder_and_args()
     small = {"num_cpus": 0.1}
-    args.update(target=str(tiny_chat_llama), draft=str(tiny_chat_llama_draft), threads=1, target_role=small,
+    args.update(target=str(tiny_chat_llama), draft=str(tiny_chat_llama_draft), num_threads=1, target_role=small,
                 draft_role=small, api_key=KEY, served_model_name=MODEL, max_ongoing_requests=8,
                 max_queued_requests=16, request_timeout_s=120,
                 # A full-precision draft: an int8 one quantizes each linear's input over the whole batch,
                 # so seeded samples of concurrent requests (n choices) would depend on their batch-mates.
-                draft_quantization="none")
+                draft_precision="none")
     serve.run(build_app(args), name="specdec", route_prefix="/")
-    serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "threads": 1, "target_role": small,
+    serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "num_threads": 1, "target_role": small,
                          "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
                          "request_timeout_s": 5}), name="strict", route_prefix="/strict")
-    serve.run(build_app({"target": str(defaults_model), "draft": "none", "threads": 1, "target_role": small,
+    serve.run(build_app({"target": str(defaults_model), "draft": "none", "num_threads": 1, "target_role": small,
                          "served_model_name": "defaults"}), name="defaults", route_prefix="/defaults")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -110,7 +110,7 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
 def local(service):
     """The in-process engine with the same models and K: what `specdec generate` runs."""
     return SpeculativeEngine.from_pretrained(service.target, draft=service.draft, num_speculative_tokens=4,
-                                             draft_quantization="none")
+                                             draft_precision="none")
 
 
 def _post(service, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Response:
@@ -123,7 +123,7 @@ def _post(service, path: str, body, key: str | None = KEY, **kwargs) -> httpx.Re
 def test_greedy_completion_equals_specdec_generate(service, local):
     out = service.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
     cli = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", service.target, "--draft",
-                          service.draft, "--k", "4", "--max-tokens", "40", "--threads", "1", "--draft-quantization",
+                          service.draft, "-k", "4", "--max-tokens", "40", "--num-threads", "1", "--draft-precision",
                           "none", "--json", PROMPT],
                          capture_output=True, text=True, timeout=300, check=True)
     expected = json.loads(cli.stdout)
@@ -399,7 +399,7 @@ def test_models_lists_the_served_model_with_its_engine(service):
     assert card.id == MODEL
     info = card.model_extra["specdec"]
     assert info["draft"] == service.draft and info["num_speculative_tokens"] == 4
-    assert info["tp_size"] == 1 and info["draft_placement"] == "colocated" and info["max_context"] == 512
+    assert info["tp"] == 1 and info["draft_placement"] == "colocated" and info["max_context"] == 512
 
 
 def test_health_needs_no_key_and_everything_else_does(service):

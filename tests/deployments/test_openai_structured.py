@@ -46,8 +46,8 @@ def service(ray_session, tiny_bpe_pair):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     build_app, args = _builder_and_args()
     small = {"num_cpus": 0.1}
-    args.update(target=str(target), draft=str(draft), threads=1, target_role=small, draft_role=small,
-                draft_placement="separate", served_model_name=MODEL, draft_quantization="none", k=4,
+    args.update(target=str(target), draft=str(draft), num_threads=1, target_role=small, draft_role=small,
+                draft_placement="separate", served_model_name=MODEL, draft_precision="none", num_speculative_tokens=4,
                 generation_config="none")
     serve.run(build_app(args), name="structured", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -59,7 +59,7 @@ def service(ray_session, tiny_bpe_pair):
 def local(tiny_bpe_pair):
     target, draft = tiny_bpe_pair
     return SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=4,
-                                             draft_quantization="none")
+                                             draft_precision="none")
 
 
 def _local_chat(local, constraint, tools=None, **sampling):

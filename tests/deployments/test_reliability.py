@@ -41,7 +41,7 @@ KEY = "sk-reliability"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 SPECDEC = str(Path(sys.executable).with_name("specdec"))
-#: --request-timeout of the service: every load request ends well within it; a 4000-token
+#: --request-timeout-s of the service: every load request ends well within it; a 4000-token
 #: generation does not (the timeout drills rely on that).
 TIMEOUT_S = 15
 MAX_ONGOING, MAX_QUEUED = 8, 8
@@ -101,9 +101,9 @@ def service(ray_session, tiny_long_chat_llama, tiny_long_chat_llama_draft, tmp_p
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [SPECDEC, "serve", "--target", str(tiny_long_chat_llama), "--draft", str(tiny_long_chat_llama_draft),
-            "--tp", "2", "--draft-placement", "separate", "--k", "4", "--threads", "1", "--api-key", KEY,
+            "--tp", "2", "--draft-placement", "separate", "-k", "4", "--num-threads", "1", "--api-key", KEY,
             "--served-model-name", MODEL, "--max-ongoing-requests", str(MAX_ONGOING),
-            "--max-queued-requests", str(MAX_QUEUED), "--request-timeout", str(TIMEOUT_S), "--port", str(port),
+            "--max-queued-requests", str(MAX_QUEUED), "--request-timeout-s", str(TIMEOUT_S), "--port", str(port),
             "--ray-address", ray.get_runtime_context().gcs_address]
     with open(log, "w") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -317,7 +317,7 @@ def test_disconnects_and_timeouts_free_every_cache(service, figures):
     with client, stream as response:
         assert response.status_code == 200
         next(line for line in response.iter_lines() if line.startswith("data: "))
-    # A request that runs past --request-timeout: 408, not a hang.
+    # A request that runs past --request-timeout-s: 408, not a hang.
     # (A hang would raise the client's own timeout, 4x the server's.)
     started = time.monotonic()
     r = service.post("/v1/completions", long, timeout=4 * TIMEOUT_S)

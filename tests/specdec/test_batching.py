@@ -121,7 +121,7 @@ def test_seeded_sampling_is_identical_alone_and_in_a_batch(pair):
     over the whole batch, so its proposals (never the output's distribution) depend on batch-mates."""
     target, draft = pair
     engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=3,
-                                               draft_quantization="none")
+                                               draft_precision="none")
     params = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_tokens=30) for s in range(len(PROMPTS))]
     alone = [engine.generate(prompt_token_ids=p, sampling=s).token_ids for p, s in zip(PROMPTS, params)]
     batched = engine.generate_batch([GenerationRequest(prompt_token_ids=p, sampling=s)

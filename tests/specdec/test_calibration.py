@@ -121,13 +121,13 @@ def test_calibration_under_two_busy_loops_matches_a_quiet_one_or_refuses_to_cach
                                                                                private_cache, caplog):
     quiet = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft),
                                               num_speculative_tokens="auto")
-    quiet_choice = {"linear-kernel": quiet.linear_kernel, "draft-precision": quiet.draft_quantization}
+    quiet_choice = {"linear-kernel": quiet.linear_kernel, "draft-precision": quiet.draft_precision}
     for path in (private_cache / "calibration").glob("*.json"):
         path.unlink()  # measure again under load, from nothing
     with BusyLoops(2), caplog.at_level(logging.WARNING, logger="specdec.kernels.calibration"):
         busy = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft),
                                                  num_speculative_tokens="auto")
-    busy_choice = {"linear-kernel": busy.linear_kernel, "draft-precision": busy.draft_quantization}
+    busy_choice = {"linear-kernel": busy.linear_kernel, "draft-precision": busy.draft_precision}
     cached = _records(private_cache)
     for kind in ("linear-kernel", "draft-precision"):
         if kind in cached:  # cached only what a quiet machine would have chosen
@@ -177,7 +177,7 @@ def test_models_calibrate_measures_again_and_reports(tiny_llama, tiny_llama_draf
     from specdec.cli import main
 
     args = ["models", "calibrate", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft)]
-    assert main(args + ["--linear-kernel", "onednn", "--draft-quantization", "none"]) == 2
+    assert main(args + ["--linear-kernel", "onednn", "--draft-precision", "none"]) == 2
     assert "nothing to calibrate" in capsys.readouterr().err
 
     command = [sys.executable, "-m", "specdec.cli", *args, "--json"]

@@ -15,7 +15,7 @@ def run_cli(*args):
 
 def test_generate_json_installed_entry_point(tiny_llama, tiny_llama_draft):
     proc = subprocess.run(
-        ["specdec", "generate", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--k", "3",
+        ["specdec", "generate", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "-k", "3",
          "--max-tokens", "20", "--json", "w5 w6 w7 w8"],
         capture_output=True, text=True, timeout=300,
     )
@@ -76,7 +76,7 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
     (["--top-p", "1.1"], "top_p"),
     (["--top-k", "-2"], "top_k"),
     (["--max-tokens", "0"], "max_tokens"),
-    (["--k", "0"], "k must be"),
+    (["-k", "0"], "--num-speculative-tokens must be"),
     (["--max-tokens", "600"], "exceeds the model's context"),
     (["--chat"], "no chat template"),
     (["--presence-penalty", "3"], "presence_penalty"),
@@ -92,28 +92,34 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
     (["--min-tokens", "300"], "min_tokens"),
 ])
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
-    assert main(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
+    assert _exit_code(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--draft-vocab", "--max-k", "--threads"])
+def _exit_code(argv) -> int:
+    """main()'s exit code: argparse exits for what it parses (not an integer, not a choice), the
+    config's checks return 2 (a value out of range); both are usage errors."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("flag", ["--draft-vocab-size", "--max-speculative-tokens", "--num-threads"])
 def test_a_zero_where_a_positive_integer_is_needed_exits_2(tiny_llama, capsys, flag):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--target", str(tiny_llama), flag, "0", "w1"])
-    assert e.value.code == 2 and f"{flag}: expected an integer >= 1" in capsys.readouterr().err
+    assert _exit_code(["generate", "--target", str(tiny_llama), flag, "0", "w1"]) == 2
+    assert f"{flag} must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_bad_k_syntax_exits_2(tiny_llama, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--target", str(tiny_llama), "--k", "lots", "w1"])
-    assert e.value.code == 2
+    assert _exit_code(["generate", "--target", str(tiny_llama), "-k", "lots", "w1"]) == 2
+    assert "expected an integer >= 1 or 'auto'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--ngram-first", "-1"], ["--draft-quantization", "int4"], ["--draft-vocab", "x"]])
+@pytest.mark.parametrize("args", [["--prompt-lookup-min", "-1"], ["--draft-precision", "int4"],
+                                  ["--draft-vocab-size", "x"]])
 def test_bad_draft_lever_syntax_exits_2(tiny_llama, capsys, args):
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--target", str(tiny_llama), *args, "w1"])
-    assert e.value.code == 2
+    assert _exit_code(["generate", "--target", str(tiny_llama), *args, "w1"]) == 2
     assert args[0] in capsys.readouterr().err
 
 
@@ -122,8 +128,8 @@ def test_draft_levers_from_the_command_line(tiny_llama, tiny_llama_draft, capsys
     base = ["generate", "--target", str(tiny_llama), "--max-tokens", "24", "--json", "w5 w6 w7 w5 w6 w7 w5"]
     assert main([*base, "--draft", "none"]) == 0
     expected = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main([*base, "--draft", str(tiny_llama_draft), "--draft-quantization", "int8-weight", "--draft-vocab",
-                 "50", "--ngram-first", "2"]) == 0
+    assert main([*base, "--draft", str(tiny_llama_draft), "--draft-precision", "int8-weight", "--draft-vocab-size",
+                 "50", "--prompt-lookup-min", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == expected and out["speculative"]["num_draft_tokens"] > 0
 
@@ -151,7 +157,7 @@ def test_seeded_sampling_from_the_command_line_is_the_target_only_text(tiny_llam
             "--top-k", "20", "--seed", "5", "--ignore-eos", "w5 w6 w7"]
     assert main([*base, "--draft", "none"]) == 0
     target_only = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main([*base, "--draft", str(tiny_llama_draft), "--k", "3"]) == 0
+    assert main([*base, "--draft", str(tiny_llama_draft), "-k", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == target_only and out["speculative"]["num_draft_tokens"] > 0
     assert main([*base, "--draft", str(tiny_llama_draft), "--speculative-sampling", "residual"]) == 0

@@ -41,24 +41,24 @@ def private_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("settings", [
-    pytest.param({"draft_quantization": "none"}, id="none"),
-    pytest.param({"draft_quantization": "float32"}, id="float32"),
-    pytest.param({"draft_quantization": "bfloat16"}, id="bfloat16"),
-    pytest.param({"draft_quantization": "int8"}, id="int8"),
-    pytest.param({"draft_quantization": "int8-weight"}, id="int8-weight"),
-    pytest.param({"draft_quantization": "auto"}, id="auto"),
-    pytest.param({"draft_quantization": "bfloat16", "draft_vocab_size": 40}, id="bfloat16-vocab40"),
-    pytest.param({"draft_quantization": "none", "ngram_first": 2}, id="ngram-first"),
+    pytest.param({"draft_precision": "none"}, id="none"),
+    pytest.param({"draft_precision": "float32"}, id="float32"),
+    pytest.param({"draft_precision": "bfloat16"}, id="bfloat16"),
+    pytest.param({"draft_precision": "int8"}, id="int8"),
+    pytest.param({"draft_precision": "int8-weight"}, id="int8-weight"),
+    pytest.param({"draft_precision": "auto"}, id="auto"),
+    pytest.param({"draft_precision": "bfloat16", "draft_vocab_size": 40}, id="bfloat16-vocab40"),
+    pytest.param({"draft_precision": "none", "prompt_lookup_min": 2}, id="ngram-first"),
 ])
 @pytest.mark.parametrize("k", [2, 5])
 def test_greedy_equals_hf_generate_for_every_lever(tiny_llama, tiny_llama_draft, references, private_cache,
                                                    settings, k):
     engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft),
                                                num_speculative_tokens=k, **settings)
-    expected_precision = settings["draft_quantization"]
+    expected_precision = settings["draft_precision"]
     # auto picks one of the candidates this CPU measures (not one it skips, e.g. bfloat16 without native support).
     allowed = candidates_here(engine.draft_device)[0] if expected_precision == "auto" else [expected_precision]
-    assert engine.draft_quantization in allowed
+    assert engine.draft_precision in allowed
     proposed = 0
     for prompt, expected in zip(PROMPTS, references):
         out = engine.generate(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=MAX_TOKENS))
@@ -72,7 +72,7 @@ def test_greedy_equals_hf_generate_for_every_lever(tiny_llama, tiny_llama_draft,
 
 def test_ngram_first_proposes_matches_for_free(tiny_llama, tiny_llama_draft, private_cache):
     engine = SpeculativeEngine.from_pretrained(str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=2,
-                                               draft_quantization="none", ngram_first=3)
+                                               draft_precision="none", prompt_lookup_min=3)
     proposer = engine.proposer
     context = [10, 20, 30, 40, 50, 60, 10, 20, 30]
     # A 3-token match: the lookup proposes what followed, up to max_tokens, with no draft forward.
@@ -170,7 +170,7 @@ def _run_reduced(pair, monkeypatch):
     monkeypatch.setattr(specdec.models.draft_vocab, "frequency_ranking", lambda tokenizer, vocab_size: RANKING[:VOCAB])
     target, draft = pair
     engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=2,
-                                               draft_quantization="none", draft_vocab_size=NUM_KEPT)
+                                               draft_precision="none", draft_vocab_size=NUM_KEPT)
     kept = engine.draft_model.model.get_output_embeddings().token_ids
     assert 2 not in kept.tolist()
     exact = exact_pair_distribution(engine.target_model.model, T1, first=0)

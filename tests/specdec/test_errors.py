@@ -21,7 +21,7 @@ def test_bad_sampling_params(kwargs, match):
 
 @pytest.mark.parametrize("k", [0, -3, "many", 2.5])
 def test_bad_k(k):
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1 or 'auto'"):
         EngineConfig(target="x", num_speculative_tokens=k)
 
 

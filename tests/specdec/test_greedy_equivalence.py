@@ -45,7 +45,7 @@ def test_greedy_equals_hf_generate(models, references, draft_kind, k):
     # The self-draft stays full precision (then every proposal must be accepted); the model draft
     # is int8-quantized (the CPU default), which changes proposals, never the output.
     engine = SpeculativeEngine.from_pretrained(str(target), draft=draft_spec, num_speculative_tokens=k,
-                                               draft_quantization="none" if draft_kind == "self" else "auto")
+                                               draft_precision="none" if draft_kind == "self" else "auto")
     # On the CPU in float32 the target's kernel is measured (kernels.settle_linear_kernel): any of them is exact.
     assert engine.linear_kernel in KERNEL_CANDIDATES
     assert engine.calibration["linear_kernel"]["choice"] == engine.linear_kernel

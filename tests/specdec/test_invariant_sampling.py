@@ -32,9 +32,9 @@ PARAMS = {
 DRAFTS = {
     "model": ("model", {}),
     "ngram": ("ngram", {}),
-    "hybrid": ("model", {"ngram_first": 2}),
-    "int8": ("model", {"draft_quantization": "int8"}),
-    "bfloat16": ("model", {"draft_quantization": "bfloat16"}),
+    "hybrid": ("model", {"prompt_lookup_min": 2}),
+    "int8": ("model", {"draft_precision": "int8"}),
+    "bfloat16": ("model", {"draft_precision": "bfloat16"}),
 }
 
 

@@ -55,7 +55,7 @@ def test_int8_draft_is_a_copy(tiny_llama):
 def test_bad_kernel_options():
     from specdec import EngineConfig
 
-    with pytest.raises(ValueError, match="linear kernel"):
+    with pytest.raises(ValueError, match="linear_kernel must be one of"):
         EngineConfig(target="x", linear_kernel="fast")
-    with pytest.raises(ValueError, match="draft quantization"):
-        EngineConfig(target="x", draft_quantization="int4")
+    with pytest.raises(ValueError, match="draft_precision must be one of"):
+        EngineConfig(target="x", draft_precision="int4")

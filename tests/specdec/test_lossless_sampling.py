@@ -93,9 +93,9 @@ def test_ngram_sampling_matches_target(small_vocab_pair):
 
 
 @pytest.mark.parametrize("engine_kwargs", [
-    pytest.param({"ngram_first": 1}, id="hybrid"),
-    pytest.param({"draft_quantization": "int8"}, id="int8"),
-    pytest.param({"draft_quantization": "bfloat16"}, id="bfloat16"),
+    pytest.param({"prompt_lookup_min": 1}, id="hybrid"),
+    pytest.param({"draft_precision": "int8"}, id="int8"),
+    pytest.param({"draft_precision": "bfloat16"}, id="bfloat16"),
 ])
 def test_other_drafts_sample_the_target(small_vocab_pair, engine_kwargs):
     pvalue, acceptance_rate, _ = run(small_vocab_pair, "model", 2, T1, 0, 3, **engine_kwargs)

@@ -132,7 +132,7 @@ def test_engine_records_and_announces_its_startup_stages(tiny_qwen2, tiny_qwen2_
     caplog.set_level("INFO", logger="specdec.engine.startup")
     started = time.perf_counter()
     engine = SpeculativeEngine.from_pretrained(str(tiny_qwen2), draft=str(tiny_qwen2_draft),
-                                               draft_quantization="int8-weight")
+                                               draft_precision="int8-weight")
     elapsed = time.perf_counter() - started
     # The target's linears are prepacked in a thread while its tokenizer loads; the draft reuses that tokenizer.
     assert sorted(engine.startup_seconds) == ["choose target kernel", "load draft", "load target",
@@ -148,7 +148,7 @@ def test_engine_records_and_announces_its_startup_stages(tiny_qwen2, tiny_qwen2_
 def test_cli_prints_a_line_per_startup_stage(tiny_llama, tiny_llama_draft, private_cache):
     def run(*args):
         proc = subprocess.run(["specdec", *args, "generate", "--target", str(tiny_llama), "--draft",
-                               str(tiny_llama_draft), "--max-tokens", "4", "--draft-quantization", "int8-weight",
+                               str(tiny_llama_draft), "--max-tokens", "4", "--draft-precision", "int8-weight",
                                "w5 w6 w7 w8"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "SPECDEC_CACHE": str(private_cache)})
         assert proc.returncode == 0, proc.stderr

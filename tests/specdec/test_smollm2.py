@@ -34,7 +34,7 @@ def test_self_draft_accepts_everything(engine, reference, smollm2_gguf):
     from specdec.config import EngineConfig
 
     config = EngineConfig(target=str(smollm2_gguf), draft=str(smollm2_gguf), num_speculative_tokens=4,
-                          draft_quantization="none")
+                          draft_precision="none")
     self_engine = SpeculativeEngine(config, engine.target_model, engine.target_model)  # one model, two roles
     out = self_engine.generate(PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))
     assert out.token_ids == reference

@@ -38,7 +38,7 @@ def test_cost_estimates_ignore_contention_bursts():
     for _ in range(4):
         costs.observe_target(1, 2.0)  # a real, lasting change is followed within the window
     assert costs.target_cost(1) == 2.0
-    policy = AutoK(costs, k_max=4)
+    policy = AutoK(costs, speculative_tokens_limit=4)
     costs.observe_draft(1, 0.5)
     costs.observe_draft(1, 0.5)
     for _ in range(10):
@@ -56,14 +56,14 @@ def measured(t1=1.0, slope=0.05, draft=0.05):
 
 
 def test_good_draft_speculates_deeply():
-    policy = AutoK(measured(), k_max=8)
+    policy = AutoK(measured(), speculative_tokens_limit=8)
     for _ in range(30):
         policy.observe(8, 8)
     assert policy.next_k() >= 6
 
 
 def test_hopeless_draft_falls_back_to_target_only_and_probes_with_backoff():
-    policy = AutoK(measured(draft=0.9), k_max=8)
+    policy = AutoK(measured(draft=0.9), speculative_tokens_limit=8)
     for _ in range(10):
         policy.observe(4, 0)
     ks = [policy.next_k() for _ in range(100)]
@@ -76,7 +76,7 @@ def test_hopeless_draft_falls_back_to_target_only_and_probes_with_backoff():
 def test_draft_call_overhead_is_paid_once_per_drafting_step():
     """A remote draft's round trip is a fixed cost of drafting at all, not a per-token one: it must
     not inflate c (which would shorten K), but it can make marginal drafting not worth it."""
-    policy = AutoK(measured(draft=0.05), k_max=8)
+    policy = AutoK(measured(draft=0.05), speculative_tokens_limit=8)
     for _ in range(30):
         policy.observe(8, 6)  # acceptance ~0.75 per position
     k_local = policy.best_k()
@@ -90,8 +90,8 @@ def test_draft_call_overhead_is_paid_once_per_drafting_step():
 
 
 def test_expensive_verify_prefers_short_proposals():
-    cheap = AutoK(measured(slope=0.0), k_max=8)
-    costly = AutoK(measured(slope=0.8), k_max=8)
+    cheap = AutoK(measured(slope=0.0), speculative_tokens_limit=8)
+    costly = AutoK(measured(slope=0.8), speculative_tokens_limit=8)
     for policy in (cheap, costly):
         for _ in range(20):
             policy.observe(4, 3)

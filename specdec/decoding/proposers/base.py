@@ -59,14 +59,9 @@ class Proposer(Protocol):
         `sampling` is resolved (a seed and a mode): token j is decided by `sampling.choose` at
         position len(context) + j, so a proposal does not depend on what was drawn before."""
 
-    def propose_batch(
-        self,
-        states: Sequence[Any],
-        contexts: Sequence[Sequence[int]],
-        nums_tokens: Sequence[int],
-        samplings: Sequence[SamplingParams],
-        max_tokens: Sequence[int | None] | None = None,
-    ) -> list[Proposal]:
+    def propose_batch(self, states: Sequence[Any], contexts: Sequence[Sequence[int]], nums_tokens: Sequence[int],
+                      samplings: Sequence[SamplingParams],
+                      max_tokens: Sequence[int | None] | None = None) -> list[Proposal]:
         """`propose` for many sequences at once (a single one is a batch of one). `max_tokens[i]`: a
         proposal that costs no draft forward (a prompt-lookup match) may be this long."""
 
