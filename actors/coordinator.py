@@ -77,7 +77,8 @@ class Coordinator:
     def __init__(self, config: RayEngineConfig, model_name: str | None = None, replica: str = "0") -> None:
         """`model_name` and `replica` label this engine's metrics (`actors/metrics.py`)."""
         self.config = config
-        self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica, config.engine.speculative_tokens_limit)
+        self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica,
+                                     config.engine.speculative_tokens_limit)
         self.tokenizer = None
         self.resolve: PromptResolver | None = None  # set up in start()
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")

@@ -35,7 +35,7 @@ class DraftWorker:
         if config.draft == "none":
             raise ValueError("draft 'none' needs no draft worker")
         built = load_draft(config, target_vocab_size, target, target_kernel)
-        self.quantization = built.precision
+        self.precision = built.precision
         self.record = built.record
         proposer, device = built.proposer, built.device
         if built.model is not None:
@@ -48,7 +48,7 @@ class DraftWorker:
     def calibration(self) -> dict | None:
         """The draft model's precision and, when `auto` measured it, how (`specdec.kernels.calibration.Record.summary`);
         None for n-gram lookup (no model)."""
-        return summarize(self.record, self.quantization) if self.config.draft != "ngram" else None
+        return summarize(self.record, self.precision) if self.config.draft != "ngram" else None
 
     def propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Each proposal carries the seconds the batch took here, so the caller can tell drafting time

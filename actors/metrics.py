@@ -175,13 +175,13 @@ def _metric(name: str):
 class EngineMetrics:
     """The metrics of one engine (a coordinator): its labels and its gauges' current state."""
 
-    def __init__(self, model_name: str, replica: str = "0", max_k: int = 8) -> None:
+    def __init__(self, model_name: str, replica: str = "0", speculative_tokens_limit: int = 8) -> None:
         self.tags = {"model_name": model_name, "replica": replica}
         self._waiting = 0
         self._running: dict[str, list[int]] = {}  # request id -> [target, draft] KV-cache tokens
         self._k = 0  # K of the last verify step
         self._info: dict[str, str] | None = None  # specdec_engine_info's labels, once the engine runs
-        self._zero_counters(max_k)
+        self._zero_counters(speculative_tokens_limit)
         self._set_gauges()
 
     def engine_started(self, info: dict) -> None:
@@ -204,14 +204,15 @@ class EngineMetrics:
         `GAUGE_REFRESH_S`, busy or idle."""
         self._set_gauges()
 
-    def _zero_counters(self, max_k: int) -> None:
+    def _zero_counters(self, speculative_tokens_limit: int) -> None:
         """Export every counter series from the start, at 0: `rate()` cannot see the first increase of
         a series that appears with it, and a panel of a counter that never moved (draft failures)
         shows 0 rather than nothing. Ray's `Counter.inc` refuses 0, so the record call is used."""
         extra = {"specdec_requests": [{"finish_reason": r} for r in FINISH_REASONS],
                  "specdec_kv_rewinds": [{"role": r} for r in ROLES],
                  "specdec_kv_rewound_tokens": [{"role": r} for r in ROLES],
-                 "specdec_num_accepted_tokens_per_pos": [{"position": str(i)} for i in range(max_k)]}
+                 "specdec_num_accepted_tokens_per_pos": [{"position": str(i)}
+                                                         for i in range(speculative_tokens_limit)]}
         for name, spec in METRICS.items():
             metric = _metric(name)
             if spec.kind == "counter":

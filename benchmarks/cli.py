@@ -30,7 +30,8 @@ def register(subparsers, generate_parser) -> None:
         description="Benchmark specdec against Hugging Face generate(), assisted generation and prompt lookup, "
                     "in one run on the same prompts (HumanEval by default), interleaved prompt by prompt. "
                     "Writes bench.json, bench.md and PNG plots.")
-    add_arguments(p, EngineConfig, only=("target", "draft"), defaults={"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
+    add_arguments(p, EngineConfig, only=("target", "draft"),
+                  defaults={"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT})
     p.add_argument("--limit", type=int, default=20, help="first N prompts [default: 20]")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help='JSONL of prompts (strings or {"prompt": ...}) instead of HumanEval')
@@ -89,11 +90,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         return _concurrency(args, prompts, sampling, out)
     config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
-                         sampling=sampling, k_sweep=args.k_sweep, max_speculative_tokens=args.max_speculative_tokens, hf=not args.no_hf,
+                         sampling=sampling, k_sweep=args.k_sweep,
+                         max_speculative_tokens=args.max_speculative_tokens, hf=not args.no_hf,
                          ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
                          ngram=not args.no_ngram, num_threads=args.num_threads, chat=args.chat,
-                         precisions=args.precisions, draft_vocabs=args.draft_vocabs, prompt_lookup_mins=args.prompt_lookup_mins,
-                         hopeless=args.hopeless, sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
+                         precisions=args.precisions, draft_vocabs=args.draft_vocabs,
+                         prompt_lookup_mins=args.prompt_lookup_mins, hopeless=args.hopeless,
+                         sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
     rows, paths = run(config)
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

@@ -150,8 +150,8 @@ def _until_eos(ids: list[int], eos: list[int]) -> list[int]:
 
 
 def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling: SamplingParams,
-        levels: tuple[int, ...], out_dir: Path, max_speculative_tokens: int = 8, num_threads: int | None = None, ray: bool = True,
-        hf: bool = True, command: str = "") -> tuple[list[dict], dict[str, Path]]:
+        levels: tuple[int, ...], out_dir: Path, max_speculative_tokens: int = 8, num_threads: int | None = None,
+        ray: bool = True, hf: bool = True, command: str = "") -> tuple[list[dict], dict[str, Path]]:
     from tqdm.auto import tqdm
 
     from specdec import EngineConfig, SpeculativeEngine
@@ -161,7 +161,8 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
     started = time.time()
     target, draft = load_model(target_spec), load_model(draft_spec)
     config = EngineConfig(target=target_spec, draft=draft_spec, num_speculative_tokens="auto",
-                          max_speculative_tokens=max_speculative_tokens, num_threads=num_threads, max_batch_size=max(levels))
+                          max_speculative_tokens=max_speculative_tokens, num_threads=num_threads,
+                          max_batch_size=max(levels))
     engine = SpeculativeEngine(config, target, draft)
     pad = (target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None
            else sorted(target.eos_token_ids)[0])

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         tok = AutoTokenizer.from_pretrained(target)
         prompts = [tok(p.text)["input_ids"] for p in humaneval(args.prompts)]
     result = {"target": str(args.target), "draft": "tiny draft" if args.target == "tiny" and not args.draft else draft,
-              "num_speculative_tokens": args.num_speculative_tokens, "prompts": len(prompts), "tokens": args.tokens, "cpu": cpu_info().as_dict(),
+              "num_speculative_tokens": args.num_speculative_tokens, "prompts": len(prompts), "tokens": args.tokens,
+              "cpu": cpu_info().as_dict(),
               "python": platform.python_version(), "torch": torch.__version__, "runs": {}}
     for dtype in args.dtypes.split(","):
         started = time.perf_counter()

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer(prompt)["input_ids"][: args.context]
     rows = [int(r) for r in args.rows.split(",")]
     results = profile(args.target, rows, ids, args.num_speculative_tokens, args.repeats, args.linear_kernel)
-    meta = {"label": args.label, "target": args.target, "cpu": cpu_info().as_dict(), "num_speculative_tokens": args.num_speculative_tokens,
+    meta = {"label": args.label, "target": args.target, "cpu": cpu_info().as_dict(),
+            "num_speculative_tokens": args.num_speculative_tokens,
             "repeats": args.repeats, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

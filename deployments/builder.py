@@ -2,7 +2,7 @@
 deployments/serve.yaml` and `serve deploy`.
 
     from deployments.builder import build_app
-    serve.run(build_app({"target": "qwen2.5-coder-1.5b-instruct", "k": 4}), route_prefix="/")
+    serve.run(build_app({"target": "qwen2.5-coder-1.5b-instruct", "num_speculative_tokens": 4}), route_prefix="/")
 
 Two deployments, the shape Ray Serve LLM gives vLLM: `SpecdecRouter` (the FastAPI ingress, one
 replica, no CPUs of its own) routes through a DeploymentHandle to `SpecdecModel`, of which each
