@@ -83,8 +83,13 @@ def exact_pair_distribution(model, params: SamplingParams, first: int = 0) -> to
     return joint.view(-1, VOCAB, VOCAB).sum(0)
 
 
+#: Requests decoded together by the sampling tests' engines (their `max_batch_size`): big batches
+#: draw the thousands of samples in fewer steps, and every row is tested inside a batch.
+BATCH = 32
+
+
 def sample_pair(engine, params: SamplingParams, max_tokens: int, num_samples: int, first: int = 0,
-                concurrency: int = 8):
+                concurrency: int = BATCH):
     """Counts of (t[first], t[first+1]) over seeded generations, and the acceptance rate seen.
 
     `concurrency` requests run at once, so the engine decodes them as one batch: the distribution is

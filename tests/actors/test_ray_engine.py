@@ -259,23 +259,23 @@ def test_dead_shard_fails_the_request_clearly_and_the_engine_recovers(ray_engine
 
 
 def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_vocab_pair):
-    """Pipelined sampling through Ray (a draft worker of its own, 8 requests batched) is not
+    """Pipelined sampling through Ray (a draft worker of its own, 32 requests batched) is not
     bit-identical to in-process (pre-drafts consume extra draft randomness), so it is held to the
     statistical test: tokens 3 and 4, which follow a used pre-drafted block whenever the first block
     was accepted whole; the draft is a different model, more confident than the target, so a shifted
     q would show (see tests/specdec/test_lossless_sampling.py's negative controls)."""
-    from tests.distribution import chi_square_pvalue, exact_pair_distribution, sample_pair
+    from tests.distribution import BATCH, chi_square_pvalue, exact_pair_distribution, sample_pair
 
     target, draft = small_vocab_pair
     small = RolePlacement(num_cpus=0.1, num_threads=1)
     engine = build_ray_engine(RayEngineConfig(
-        engine=EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=2),
+        engine=EngineConfig(target=str(target), draft=str(draft), num_speculative_tokens=2, max_batch_size=BATCH),
         tp=1, pipeline=True, draft_role=small, target_role=small, draft_placement="separate"))
     try:
         params = SamplingParams(temperature=1.0)
         local = SpeculativeEngine.from_pretrained(str(target), draft="none")
         exact = exact_pair_distribution(local.target_model.model, params, first=3)
-        counts, acceptance, hits = sample_pair(engine, params, max_tokens=6, num_samples=1200, first=3, concurrency=8)
+        counts, acceptance, hits = sample_pair(engine, params, max_tokens=6, num_samples=1200, first=3)
         pvalue = chi_square_pvalue(counts, exact)
         print(f"pipeline hits {hits} in 1200 samples, acceptance {acceptance:.2f}, p-value {pvalue:.3f}")
         assert hits > 240  # a fifth of the samples went through a used pre-drafted block

@@ -18,7 +18,7 @@ import torch
 
 import specdec.decoding.verify
 from specdec import SamplingParams, SpeculativeEngine
-from tests.distribution import (OpenAIPenalties, chi_square_pvalue, exact_pair_distribution, hf_scores,
+from tests.distribution import (BATCH, OpenAIPenalties, chi_square_pvalue, exact_pair_distribution, hf_scores,
                                 sample_pair)
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 11, 12, 11, 12], [40, 41, 42], [3, 1, 2, 3, 1, 2, 3, 1]]
@@ -153,7 +153,8 @@ def test_penalized_sampling_follows_the_processed_target(small_vocab_pair, monke
     params = PENALIZED.replace(speculative_sampling=mode)
     if bug:
         monkeypatch.setattr(specdec.decoding.verify.RowScores, "__call__", _from_committed_only)
-    engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=2)
+    engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft), num_speculative_tokens=2,
+                                               max_batch_size=BATCH)
     exact = exact_pair_distribution(engine.target_model.model, params, first=1)
     counts, acceptance, _ = sample_pair(engine, params, max_tokens=3, num_samples=2000, first=1)
     pvalue = chi_square_pvalue(counts, exact)

@@ -27,7 +27,7 @@ import specdec.decoding.verify
 from specdec.decoding.proposers.model import DraftModelProposer
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.decoding.proposers import Proposal
-from tests.distribution import chi_square_pvalue, exact_pair_distribution, sample_pair
+from tests.distribution import BATCH, chi_square_pvalue, exact_pair_distribution, sample_pair
 
 NUM_SAMPLES = 2000
 T1 = SamplingParams(temperature=1.0, speculative_sampling="residual")
@@ -53,7 +53,7 @@ def run(pair, draft: str, k: int, params: SamplingParams, first: int, max_tokens
         num_samples: int = NUM_SAMPLES, **engine_kwargs):
     target, draft_model = pair
     engine = SpeculativeEngine.from_pretrained(str(target), draft=str(draft_model) if draft == "model" else draft,
-                                               num_speculative_tokens=k, **engine_kwargs)
+                                               num_speculative_tokens=k, max_batch_size=BATCH, **engine_kwargs)
     if pipeline:
         pipelined(engine)
     exact = exact_pair_distribution(engine.target_model.model, params, first=first)
