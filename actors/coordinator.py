@@ -42,7 +42,8 @@ from collections.abc import AsyncIterator
 import ray
 
 from actors.config import RayEngineConfig
-from actors.groups import HEALTH_GROUP, create_draft_worker, create_target_group, kill_target_group, reserve_draft
+from actors.groups import (HEALTH_GROUP, check_tp_divides, create_draft_worker, create_target_group,
+                           expected_vocab_size, kill_target_group, reserve_draft, target_config)
 from actors.metrics import GAUGE_REFRESH_S, EngineMetrics, request_features
 from specdec.engine.backends import DraftCapabilities
 from specdec.kernels.calibration import runtime_check
@@ -95,7 +96,9 @@ class Coordinator:
         self._last_progress = time.monotonic()  # when a shard call last completed, or work came to an idle engine
 
     async def start(self) -> dict:
-        """Load tokenizers, check the pair, start the shard group and the draft worker, then the scheduler."""
+        """Load tokenizers, check the pair and the target's config, start the shard group and the
+        draft worker (loading at the same time when the config gives the target's vocabulary size),
+        then the scheduler."""
         from specdec.config import quiet_libraries
 
         quiet_libraries()
@@ -105,13 +108,27 @@ class Coordinator:
         if engine.draft not in NON_MODEL_DRAFTS:
             check_same_vocabulary(self.tokenizer, load_tokenizer(engine.draft, engine.trust_remote_code),
                                   engine.target, engine.draft)
+        model_config = target_config(self.config)
+        check_tp_divides(model_config, self.config.tp)
         separate = engine.draft != "none" and not self.config.colocated
+        vocab_size = expected_vocab_size(model_config)
         if separate:  # both roles' resources before any model loads
             self._draft_pg = await reserve_draft(self.config)
-        self.group = await create_target_group(self.config)
+            if vocab_size is not None:  # the draft loads while the target does
+                self.draft = create_draft_worker(self.config, vocab_size, self._draft_pg)
+        try:
+            self.group = await create_target_group(self.config)
+        except BaseException:
+            if self.draft is not None:
+                ray.kill(self.draft, no_restart=True)
+            raise
         self.info = self.group.info
         if separate:
-            self.draft = create_draft_worker(self.config, self.info["vocab_size"], self._draft_pg)
+            if self.draft is not None and vocab_size != self.info["vocab_size"]:  # the config did not tell
+                ray.kill(self.draft, no_restart=True)
+                self.draft = None
+            if self.draft is None:
+                self.draft = create_draft_worker(self.config, self.info["vocab_size"], self._draft_pg)
             await self.draft.ready.remote()
             if engine.draft != "ngram":  # the separate draft measured its own precision
                 calibration = {**self.info["calibration"], "draft_precision": await self.draft.calibration.remote()}

@@ -42,6 +42,48 @@ def _role_options(role: RolePlacement) -> dict:
     return options
 
 
+def target_config(config: RayEngineConfig):
+    """The target's Hugging Face config, read before any actor starts: for a model directory (or a
+    cached preset) always, for a GGUF file or a hub id only under tensor parallelism (reading those
+    costs a GGUF parse or a download). None otherwise."""
+    from transformers import AutoConfig
+
+    from specdec.models.loading import materialize, resolve_spec
+
+    resolved = materialize(resolve_spec(config.engine.target))
+    if resolved.kind != "dir" and config.tp == 1:
+        return None
+    kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
+    return AutoConfig.from_pretrained(resolved.path, trust_remote_code=config.engine.trust_remote_code, **kwargs)
+
+
+def _text_config(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def check_tp_divides(model_config, tp_size: int) -> None:
+    """Tensor parallelism splits attention heads and MLP columns: refuse sizes that do not divide,
+    from the target's config (`target_config`), before any resources are reserved or shards start."""
+    if tp_size == 1:
+        return
+    text = _text_config(model_config)
+    sizes = {
+        "num_attention_heads": getattr(text, "num_attention_heads", None),
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
+        "intermediate_size": getattr(text, "intermediate_size", None),
+    }
+    bad = {k: v for k, v in sizes.items() if v is not None and v % tp_size}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the target's {detail}")
+
+
+def expected_vocab_size(model_config) -> int | None:
+    """The width of the target's logits as its config states it (checked against the loaded shards)."""
+    size = getattr(_text_config(model_config), "vocab_size", None) if model_config is not None else None
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 async def reserve_draft(config: RayEngineConfig):
     """The separate draft worker's placement group (its role's resources), reserved before the target
     loads: a role no node offers fails within the placement timeout, not after minutes of loading."""

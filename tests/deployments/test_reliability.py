@@ -317,17 +317,25 @@ def test_disconnects_and_timeouts_free_every_cache(service, figures):
     with client, stream as response:
         assert response.status_code == 200
         next(line for line in response.iter_lines() if line.startswith("data: "))
-    # A request that runs past --request-timeout-s: 408, not a hang.
-    # (A hang would raise the client's own timeout, 4x the server's.)
+    # Past --request-timeout-s, at the same time: a request gets 408, not a hang (a hang would raise
+    # the client's own timeout, 4x the server's); a stream ends with an error event, never a bare [DONE].
+    streamed: list[str] = []
+
+    def stream_past_the_timeout() -> None:
+        client, stream = _stream_lines(service.base, long, timeout=4 * TIMEOUT_S)
+        with client, stream as response:
+            streamed.extend(line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
+
+    streaming = threading.Thread(target=stream_past_the_timeout)
     started = time.monotonic()
+    streaming.start()
     r = service.post("/v1/completions", long, timeout=4 * TIMEOUT_S)
     waited = time.monotonic() - started
+    streaming.join(4 * TIMEOUT_S)
     assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
-    # A stream past the timeout ends with an error event, never a bare [DONE].
-    client, stream = _stream_lines(service.base, long, timeout=4 * TIMEOUT_S)
-    with client, stream as response:
-        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert "[DONE]" not in events and json.loads(events[-1])["error"]["code"] == "request_timeout", events[-1]
+    assert not streaming.is_alive(), "the stream outlived 4x the request timeout"
+    assert streamed and "[DONE]" not in streamed, streamed[-3:]
+    assert json.loads(streamed[-1])["error"]["code"] == "request_timeout", streamed[-1]
     assert service.wait_idle() == IDLE
     assert _eventually(_kv_cache_tokens, {"target": 0.0, "draft": 0.0}) == {"target": 0.0, "draft": 0.0}
     after = _settled(reasons)

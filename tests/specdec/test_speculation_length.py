@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.decoding.speculation_length import AutoK, CostModel, expected_tokens, theoretical_speedup
+from specdec.decoding.speculation_length import BASELINE_SAMPLES, AutoK, CostModel, expected_tokens, theoretical_speedup
 
 
 def test_expected_tokens_and_speedup_formula():
@@ -48,11 +48,31 @@ def test_cost_estimates_ignore_contention_bursts():
 
 def measured(t1=1.0, slope=0.05, draft=0.05):
     costs = CostModel()
-    for _ in range(2):  # the first observation of each size is a warm-up
+    for _ in range(1 + BASELINE_SAMPLES):  # the first observation of each size is a warm-up
         for n in (1, 5):
             costs.observe_target(n, t1 + slope * (n - 1))
         costs.observe_draft(1, draft)
     return costs
+
+
+def test_the_baseline_is_measured_several_times_before_any_k_is_weighed_against_it():
+    """One plain step slowed by contention must not make drafting look worth it for the rest of a
+    request (a request alone stops timing plain steps once it drafts)."""
+    costs = CostModel()
+    costs.observe_target(1, 1.0)  # warm-up, dropped
+    costs.observe_target(1, 9.0)  # contention: 9x the real cost
+    costs.observe_target(5, 1.2)
+    costs.observe_target(5, 1.2)
+    costs.observe_draft(1, 0.3)
+    costs.observe_draft(1, 0.3)
+    policy = AutoK(costs, speculative_tokens_limit=4)
+    for _ in range(20):
+        policy.observe(4, 0)  # a useless draft
+    assert policy.best_k() == 0  # one baseline sample: measure again
+    assert policy.rate(1) > policy.rate(0)  # what the contended sample alone would have chosen
+    for _ in range(BASELINE_SAMPLES - 1):
+        costs.observe_target(1, 1.0)
+    assert policy.best_k() == 0  # the quiet minimum: drafting does not pay
 
 
 def test_good_draft_speculates_deeply():
