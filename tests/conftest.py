@@ -1,9 +1,9 @@
 """Shared fixtures: tiny random models on disk (session-scoped: built once per worker), SmolLM2 (its
 GGUF file, and the real preset pulled once per run).
 
-The suite runs on two pytest-xdist workers (`-n 2 --dist loadfile` in pyproject.toml), each with one
-torch thread. What a whole run should fetch or convert once (SmolLM2) is made under a lock, in a
-folder the workers share (`shared_tmp`)."""
+Each process uses one torch thread. Under pytest-xdist (`-n 2 --dist loadfile`) what a whole run
+should fetch or convert once (SmolLM2) is made under a lock, in a folder the workers share
+(`shared_tmp`)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 
 from tests.tiny_models import TINY_CHAT_TEMPLATE, make_model
 
-# Tiny models: a second OpenMP thread only spins (23% more CPU, no faster), and the other core runs the
-# other xdist worker.
+# Tiny models: a second OpenMP thread only spins (23% more CPU, no faster); the other core is left to
+# the Ray actors and servers the tests start (or to a second xdist worker).
 torch.set_num_threads(1)
 
 
