@@ -94,6 +94,7 @@ class Coordinator:
         self._stopping = False
         self._gauges: asyncio.Task | None = None  # re-sets the metrics' gauges (`_refresh_gauges`)
         self._last_progress = time.monotonic()  # when a shard call last completed, or work came to an idle engine
+        self._broken: str | None = None  # why the shard group was dropped, until it is rebuilt
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair and the target's config, start the shard group and the
@@ -157,8 +158,14 @@ class Coordinator:
 
     def _drive(self) -> None:
         """The scheduler's thread: every actor call is submitted from here (see the module docstring)."""
-        self.scheduler.drive(stop=lambda: self._stopping,
-                             after_step=lambda: self.calibration_check.after_step(self.costs))
+        self.scheduler.drive(stop=lambda: self._stopping, after_step=self._after_step)
+
+    def _after_step(self) -> None:
+        """After a step (its requests already answered, a failed one's with its error): rebuild a
+        shard group that the step found broken, so the next request and the health check find it up."""
+        if self.group is None and self._broken is not None and not self._stopping:
+            self._rebuild(self._broken)
+        self.calibration_check.after_step(self.costs)
 
     async def _refresh_gauges(self) -> None:
         """Re-set the metrics' gauges on this event loop (where the request events record them too),
@@ -313,18 +320,25 @@ class Coordinator:
         if isinstance(error, TargetShardError):
             return error
         if isinstance(error, _ACTOR_GONE):
-            self._rebuild(f"{error.__class__.__name__}")
+            self._drop(f"{error.__class__.__name__}")
             return TargetShardError(
                 f"a target shard failed: its actor is gone ({error.__class__.__name__}: {_first_line(error)}); the "
-                "requests of this step were aborted and the shard group was rebuilt for the next ones")
+                "requests of this step were aborted and the shard group is rebuilt for the next ones")
         if isinstance(error, ray.exceptions.RayError):
             return TargetShardError(f"a target shard call failed ({error.__class__.__name__}: {_first_line(error)})")
         return error
 
+    def _drop(self, reason: str) -> None:
+        """Kill a broken shard group (its process group cannot lose a member) without waiting for a
+        new one: the step's requests fail at once, and `_after_step` rebuilds it."""
+        kill_target_group(self.group)
+        self.group = None
+        self._broken = reason
+
     def _rebuild(self, reason: str) -> None:
-        """Replace the whole shard group (its process group cannot lose a member); blocks the scheduler.
-        Not while shutting down: the kill that fails a running call would otherwise start a new group
-        (actors and a placement group) that nothing owns any more."""
+        """Replace the whole shard group; blocks the scheduler. Not while shutting down: the kill that
+        fails a running call would otherwise start a new group (actors and a placement group) that
+        nothing owns any more."""
         kill_target_group(self.group)
         self.group = None
         if self._stopping:
@@ -339,15 +353,22 @@ class Coordinator:
             kill_target_group(group)
             return
         self.group = group
+        self._broken = None
 
     def _shards(self) -> list:
         if self.group is None:
-            self._rebuild("no shard group")
+            self._rebuild(self._broken or "no shard group")
         if self.group is None:
             raise TargetShardError("the target shard group is down and could not be rebuilt")
         return self.group.shards
 
     def _gather(self, refs: list):
+        """Every shard's result. A failed or dead shard raises as soon as Ray reports it: not after
+        the others, which wait in their collective for it, give up."""
+        pending = refs
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
         results = ray.get(refs)
         self._last_progress = time.monotonic()
         return results
@@ -368,9 +389,9 @@ class _RemoteTarget:
         per_row = [list(lengths) for lengths in zip(*per_shard)]
         for (request_id, length), lengths in zip(rows, per_row):
             if any(n != length for n in lengths):
-                self.coordinator._rebuild(f"cache lengths {lengths} after rewinding {request_id} to {length}")
+                self.coordinator._drop(f"cache lengths {lengths} after rewinding {request_id} to {length}")
                 raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
-                                       f"length {length}; the shard group was rebuilt")
+                                       f"length {length}; the shard group is rebuilt")
         return per_row
 
     def release(self, request_ids):

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random models on disk (session-scoped: built once per worker), SmolLM2 (its
 GGUF file, and the real preset pulled once per run).
 
-Each process uses one torch thread. Under pytest-xdist (`-n 2 --dist loadfile`) what a whole run
+Each process uses one torch thread. Under pytest-xdist (`-n 2 --dist loadfile`, the default) what a whole run
 should fetch or convert once (SmolLM2) is made under a lock, in a folder the workers share
 (`shared_tmp`)."""
 
@@ -265,9 +265,37 @@ def figures(pytestconfig):
     return lines.append
 
 
+#: Seconds per test module (setup, call and teardown summed; under xdist the controller sums the
+#: workers' reports), printed at the end of the run next to pytest's slowest tests.
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker hands its figures to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["figures"] = session.config.stash.get(_FIGURES, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    lines = node.config.stash.setdefault(_FIGURES, [])
+    lines.extend(getattr(node, "workeroutput", {}).get("figures", []))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     lines = config.stash.get(_FIGURES, [])
     if lines:
         terminalreporter.section("figures measured by the tests")
         for line in lines:
             terminalreporter.write_line(line)
+    if _MODULE_SECONDS and not hasattr(config, "workerinput"):
+        terminalreporter.section("seconds per test module")
+        for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+        terminalreporter.write_line(f"{sum(_MODULE_SECONDS.values()):8.1f}s  in all (summed over workers)")
+
