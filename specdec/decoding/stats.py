@@ -1,4 +1,5 @@
-"""Speculation statistics of one request (and sums over many).
+"""Speculation statistics of one request (and sums over many), and a token's log-probabilities: what a
+response reports, in plain dataclasses (no torch: the HTTP router imports them).
 
 Counts follow vLLM's spec-decode metrics, so the same PromQL reads both:
 - num_drafts: verification steps that had at least one proposed token;
@@ -17,6 +18,17 @@ Counts follow vLLM's spec-decode metrics, so the same PromQL reads both:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and of the most likely alternatives
+    (their texts are filled in when the token is committed: `RequestState.commit`)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+    token: str = ""  # the emitted token's text, decoded alone
+    top_tokens: tuple[str, ...] = ()  # [len(top)] the alternatives' texts
 
 
 @dataclass

@@ -29,17 +29,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.decoding.logits_processing import process
 from specdec.decoding.sampling import draw, gumbel_argmax, uniform, warp_logits
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability of one emitted token, and of the most likely alternatives
-    (their texts are filled in when the token is committed: `RequestState.commit`)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
-    token: str = ""  # the emitted token's text, decoded alone
-    top_tokens: tuple[str, ...] = ()  # [len(top)] the alternatives' texts
+from specdec.decoding.stats import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
 from specdec.engine.detokenizer import IncrementalDetokenizer
-from specdec.decoding.stats import SpeculativeStats
-from specdec.decoding.verify import TokenLogprob
+from specdec.decoding.stats import SpeculativeStats, TokenLogprob
 
 
 @dataclass

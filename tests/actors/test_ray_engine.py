@@ -40,20 +40,38 @@ def references(in_process):
     return refs
 
 
+class _Pipelining:
+    """A Ray engine whose every request sets `pipeline` (a request's override of the engine's default):
+    one engine with a separate draft serves the pipelined and the unpipelined cases."""
+
+    def __init__(self, engine, pipeline: bool) -> None:
+        self.engine, self.pipeline = engine, pipeline
+
+    def generate(self, prompt=None, **fields):
+        return self.engine.generate(prompt, **{"pipeline": self.pipeline, **fields})
+
+    def generate_stream(self, prompt=None, **fields):
+        return self.engine.generate_stream(prompt, **{"pipeline": self.pipeline, **fields})
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 @pytest.fixture(scope="module")
 def ray_engines(ray_session, tiny_llama, tiny_llama_draft):
-    """Engines built on first use and shut down at the end of the module (each takes ~10 s)."""
+    """Engines built on first use and shut down at the end of the module (each takes ~10 s): one per
+    (tp, draft, K, placement), each request pipelined or not as the test asks."""
     built = {}
 
     def get(tp: int, pipeline: bool, draft: str | None = None, k=4, placement: str = "separate"):
-        key = (tp, pipeline, draft, k, placement)
+        key = (tp, draft, k, placement)
         if key not in built:
             config = EngineConfig(target=str(tiny_llama), draft=draft or str(tiny_llama_draft), num_speculative_tokens=k,
                                   draft_precision=DRAFT_PRECISION)
             small = RolePlacement(num_cpus=0.1, num_threads=1)  # several engines share the 2 test CPUs
-            built[key] = build_ray_engine(RayEngineConfig(engine=config, tp=tp, pipeline=pipeline, draft_role=small,
-                                                          target_role=small, draft_placement=placement))
-        return built[key]
+            built[key] = build_ray_engine(RayEngineConfig(engine=config, tp=tp, draft_role=small, target_role=small,
+                                                          draft_placement=placement))
+        return _Pipelining(built[key], pipeline)
 
     yield get
     for engine in built.values():
@@ -222,24 +240,27 @@ def test_colocated_draft_runs_in_the_rank0_shard_and_frees_its_state(ray_engines
     assert ray_session.get([s.num_requests.remote() for s in handles["shards"]]) == [0, 0]
 
 
-def test_failing_colocated_draft_falls_back_to_target_only(ray_session, tiny_llama, tiny_llama_draft, references):
-    small = RolePlacement(num_cpus=0.1, num_threads=1)
-    engine = build_ray_engine(RayEngineConfig(
-        engine=EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), num_speculative_tokens=4),
-        tp=1, draft_role=small, target_role=small, draft_placement="colocated"))
-    try:
-        def break_draft(shard):
-            def boom(*args, **kwargs):
-                raise RuntimeError("draft out of memory")
-            shard.draft.propose = boom
+def test_failing_colocated_draft_falls_back_to_target_only(ray_engines, references, ray_session):
+    engine = ray_engines(1, False, placement="colocated")
 
-        shard = engine.handles()["shards"][0]
-        ray_session.get(shard.__ray_call__.remote(break_draft))
+    def break_draft(shard):
+        def boom(*args, **kwargs):
+            raise RuntimeError("draft out of memory")
+        shard.draft.propose = boom
+
+    def mend_draft(shard):
+        del shard.draft.propose  # the class's method again
+
+    shard = engine.handles()["shards"][0]
+    ray_session.get(shard.__ray_call__.remote(break_draft))
+    try:
         out = engine.generate(prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS))
-        assert out.token_ids == references[0]
-        assert out.speculative.draft_failures == 1 and out.speculative.num_draft_tokens == 0
     finally:
-        engine.shutdown()
+        ray_session.get(shard.__ray_call__.remote(mend_draft))
+    assert out.token_ids == references[0]
+    assert out.speculative.draft_failures == 1 and out.speculative.num_draft_tokens == 0
+    again = engine.generate(prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS))
+    assert again.token_ids == references[0] and again.speculative.draft_failures == 0
 
 
 def test_dead_shard_fails_the_request_clearly_and_the_engine_recovers(ray_engines, references, ray_session):

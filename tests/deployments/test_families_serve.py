@@ -12,22 +12,15 @@ processes importing torch: 17 families were 5 minutes of CI.)"""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
-from tests.deployments.processes import free_port
+from tests.deployments.processes import free_port, http_server, serve_yaml_app
 from tests.tiny_models import FAMILIES, hf_greedy_references, make_family_pair
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [list(range(5, 24)), [3, 4], [10, 20, 30, 10, 20, 30, 10, 20, 11]]
 MAX_TOKENS = [30, 22, 26]
 
@@ -40,33 +33,6 @@ def serve_port(ray_session):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
     serve.shutdown()
-
-
-def _build_app():
-    config = yaml.safe_load((ROOT / "deployments" / "serve.yaml").read_text())
-    (app,) = config["applications"]
-    module, _, name = app["import_path"].partition(":")
-    return getattr(importlib.import_module(module), name), dict(app["args"])
-
-
-@contextlib.contextmanager
-def _http(app):
-    """`app` on a real HTTP server (uvicorn, as Serve's proxy runs it) in a thread of this process."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the HTTP server did not start"
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def _check_served_exactly(port: int, family: str, references) -> None:
@@ -85,7 +51,7 @@ def _check_served_exactly(port: int, family: str, references) -> None:
 
 
 def _family_args(target, draft, family: str) -> dict:
-    _, args = _build_app()
+    _, args = serve_yaml_app()
     args.update(target=str(target), draft=str(draft), served_model_name=family, draft_precision="none",
                 linear_kernel="torch", request_timeout_s=120)
     return args
@@ -99,7 +65,7 @@ def test_family_served_exactly_and_batched(tmp_path, family):
     references = hf_greedy_references(target, PROMPTS, MAX_TOKENS)
     app, model = local_app(_family_args(target, draft, family))
     try:
-        with _http(app) as port:
+        with http_server(app) as port:
             _check_served_exactly(port, family, references)
         assert model.engine.scheduler.num_active == 0  # every request ended and was freed
     finally:
@@ -113,7 +79,7 @@ def test_a_sliding_window_family_on_ray_serve(serve_port, tmp_path):
     family = "mistral"
     target, draft = make_family_pair(tmp_path, family)
     references = hf_greedy_references(target, PROMPTS, MAX_TOKENS)
-    build_app, _ = _build_app()
+    build_app, _ = serve_yaml_app()
     small = {"num_cpus": 0.1}
     args = {**_family_args(target, draft, family), "num_threads": 1, "target_role": small, "draft_role": small}
     serve.run(build_app(args), name="family", route_prefix="/")

@@ -9,7 +9,6 @@ flight without any hook in the server.
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -21,12 +20,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 
 from specdec import SamplingParams, SpeculativeEngine
-from tests.deployments.processes import free_port
+from tests.deployments.processes import free_port, http_server, serve_yaml_app
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-specdec"
 MODEL = "tiny"
 PROMPT = "w5 w6 w7 w8"
@@ -56,13 +53,6 @@ class Service:
             time.sleep(0.2)
 
 
-def _builder_and_args():
-    config = yaml.safe_load((ROOT / "deployments" / "serve.yaml").read_text())
-    (app,) = config["applications"]
-    module, _, name = app["import_path"].partition(":")
-    return getattr(importlib.import_module(module), name), dict(app["args"])
-
-
 #: The sampling defaults of the `defaults` app's model (its generation_config.json).
 MODEL_DEFAULTS = {"temperature": 0.6, "top_k": 10, "top_p": 0.9, "repetition_penalty": 1.3}
 
@@ -81,12 +71,12 @@ def defaults_model(tmp_path_factory, tiny_chat_llama) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama, defaults_model):
+def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama):
     from ray import serve
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    build_app, args = _builder_and_args()
+    build_app, args = serve_yaml_app()
     small = {"num_cpus": 0.1}
     args.update(target=str(tiny_chat_llama), draft=str(tiny_chat_llama_draft), num_threads=1, target_role=small,
                 draft_role=small, api_key=KEY, served_model_name=MODEL, max_ongoing_requests=8,
@@ -98,8 +88,6 @@ def service(ray_session, tiny_chat_llama, tiny_chat_llama_draft, tiny_long_llama
     serve.run(build_app({"target": str(tiny_long_llama), "draft": "none", "num_threads": 1, "target_role": small,
                          "served_model_name": "long", "max_ongoing_requests": 1, "max_queued_requests": 1,
                          "request_timeout_s": 5}), name="strict", route_prefix="/strict")
-    serve.run(build_app({"target": str(defaults_model), "draft": "none", "num_threads": 1, "target_role": small,
-                         "served_model_name": "defaults"}), name="defaults", route_prefix="/defaults")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
     yield Service(base, client, str(tiny_chat_llama), str(tiny_chat_llama_draft))
@@ -319,10 +307,24 @@ def test_completion_logprobs_in_openai_legacy_shape(service, local):
     assert zero.choices[0].logprobs.top_logprobs is None and len(zero.choices[0].logprobs.token_logprobs) == 4
 
 
-def test_omitted_sampling_fields_take_the_models_generation_config(service, defaults_model):
+@pytest.fixture(scope="module")
+def defaults_base(defaults_model) -> str:
+    """The OpenAI app in front of the in-process engine on `defaults_model` (the defaults are applied
+    before a request reaches the engine: Ray adds nothing here); its base URL."""
+    from deployments.local import local_app
+
+    app, model = local_app({"target": str(defaults_model), "draft": "none", "served_model_name": "defaults"})
+    try:
+        with http_server(app) as port:
+            yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        model.shutdown()
+
+
+def test_omitted_sampling_fields_take_the_models_generation_config(defaults_base, defaults_model):
     """--generation-config auto (the default): what a request omits comes from the model's
     generation_config.json; what it sends wins; /v1/models shows the defaults in effect."""
-    client = openai.OpenAI(base_url=f"{service.base}/defaults/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=defaults_base, api_key="unused", max_retries=0, timeout=120)
     card = client.models.list().data[0].model_extra["specdec"]["sampling_defaults"]
     assert card["values"] == MODEL_DEFAULTS and card["source"].endswith("generation_config.json")
     local = SpeculativeEngine.from_pretrained(str(defaults_model), draft="none")

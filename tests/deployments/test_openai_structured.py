@@ -22,8 +22,7 @@ import pytest
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.engine.request import GenerationRequest
 from specdec.decoding.structured_output import Constraint
-from tests.deployments.processes import free_port
-from tests.deployments.test_openai_api import _builder_and_args
+from tests.deployments.processes import free_port, serve_yaml_app
 
 MODEL = "tiny-bpe"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -44,7 +43,7 @@ def service(ray_session, tiny_bpe_pair):
     target, draft = tiny_bpe_pair
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    build_app, args = _builder_and_args()
+    build_app, args = serve_yaml_app()
     small = {"num_cpus": 0.1}
     args.update(target=str(target), draft=str(draft), num_threads=1, target_role=small, draft_role=small,
                 draft_placement="separate", served_model_name=MODEL, draft_precision="none", num_speculative_tokens=4,
