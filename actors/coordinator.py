@@ -26,7 +26,10 @@ Health (`check_health`, Serve's replica check): a slow engine is healthy, a stuc
 forward on a busy CPU or a long prefill chunk can outlast any fixed wait for a shard call, so when
 none has completed for `health_stall_s` the check asks every actor for its progress (decoder layers
 finished, `specdec.engine.progress`; answered mid-forward by a thread of the actor's own): a dead or silent
-actor fails the check, layers finishing mean slow, and no layer for `health_stall_s` means stuck.
+actor fails the check, layers finishing mean slow, and no layer for `health_stall_s` means stuck. A
+shard group being rebuilt is recovering: the check passes while the rebuild runs (its placement and
+process-group set-up have timeouts of their own), and fails if the rebuild failed, so Serve replaces
+the replica then, not while it is mending itself.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Coordinator:
         self._gauges: asyncio.Task | None = None  # re-sets the metrics' gauges (`_refresh_gauges`)
         self._last_progress = time.monotonic()  # when a shard call last completed, or work came to an idle engine
         self._broken: str | None = None  # why the shard group was dropped, until it is rebuilt
+        self._rebuilding = False  # a new shard group is being built (`_rebuild`)
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair and the target's config, start the shard group and the
@@ -218,6 +222,9 @@ class Coordinator:
         the check at once, one silent for `timeout_s` fails it then; a decoder layer finished (or a
         call begun or ended) anywhere within `stall_s` means slow but progressing; none means stuck."""
         stall_s = self.config.health_stall_s if stall_s is None else stall_s
+        if self.group is None and self._rebuilding:
+            logger.info("health check during a shard group rebuild (%s): recovering, not failed", self._broken)
+            return "rebuilding"
         num_active = self.scheduler.num_active if self.scheduler is not None else 0
         if not num_active:
             await self.request_counts(timeout_s)
@@ -334,6 +341,7 @@ class Coordinator:
         kill_target_group(self.group)
         self.group = None
         self._broken = reason
+        self._rebuilding = not self._stopping  # `_after_step` starts the rebuild
 
     def _rebuild(self, reason: str) -> None:
         """Replace the whole shard group; blocks the scheduler. Not while shutting down: the kill that
@@ -342,18 +350,23 @@ class Coordinator:
         kill_target_group(self.group)
         self.group = None
         if self._stopping:
+            self._rebuilding = False
             return
         logger.warning("rebuilding the target shard group: %s", reason)
+        started = time.monotonic()
+        self._rebuilding = True
         try:
             group = asyncio.run_coroutine_threadsafe(create_target_group(self.config), self._loop).result()
         except Exception:  # noqa: BLE001 - the next step fails with a clear error and retries
             logger.exception("rebuilding the target shard group failed")
+            self._rebuilding = False
             return
         if self._stopping:  # shut down while it was being built
             kill_target_group(group)
+            self._rebuilding = False
             return
-        self.group = group
-        self._broken = None
+        self.group, self._broken, self._rebuilding = group, None, False
+        logger.warning("target shard group rebuilt in %.1fs", time.monotonic() - started)
 
     def _shards(self) -> list:
         if self.group is None:
