@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, CONTEXT = 64, 2, 4, 2, 128, 256
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -16,20 +17,6 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MERGES = ("d e", "i s", "Ġ i", "Ġi s", "p r", "pr i", "m e", "n )")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-in for each of the 256 bytes (`bytes_to_unicode`), in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def _tensors(vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -56,7 +43,8 @@ def make_tiny_gguf(path: Path, quantization: str = "Q4_1") -> Path:
     """Write the file (the same bytes on every call) and return its path. Matrices are quantized with
     `quantization` (a GGML type name; Q4_1 as SmolLM2's preset), norms stay float32."""
     qtype = gguf.GGMLQuantizationType[quantization]
-    tokens = _byte_alphabet() + [m.replace(" ", "") for m in MERGES] + list(SPECIALS)
+    alphabet = bytes_to_unicode()  # GPT-2's printable stand-in for each byte
+    tokens = [alphabet[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES] + list(SPECIALS)
     types = [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)) + [gguf.TokenType.CONTROL] * len(SPECIALS)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
