@@ -2,11 +2,13 @@
 
 The loop is the core's (`specdec.engine.scheduler.Scheduler`: continuous batching, one batched draft call
 and one batched verify forward per step, acceptance, commit, rewind); this actor only moves its
-inputs and outputs. Its adapters send each scheduler call to the actors that run it: a batched
-forward or rewind to every target shard (all shards get the same calls in the same order: one
-scheduler thread submits them all, each to every shard before awaiting any), a batched proposal to
-the draft worker (or to the rank-0 shard that hosts the draft when colocated). Requests are async
-tasks of this actor that feed the scheduler and stream what it commits.
+inputs and outputs. Its adapters (`actors/remote.py`) send each scheduler call to the actors that run
+it: a batched forward or rewind to every target shard (all shards get the same calls in the same
+order: one scheduler thread submits them all, each to every shard before awaiting any), a batched
+proposal to the draft worker (or to the rank-0 shard that hosts the draft when colocated). The shard
+group is kept up by `actors.groups.TargetGroupSupervisor`. Requests are async tasks of this actor
+that stream what the scheduler commits (`specdec.engine.streams.stream_async`, as the in-process
+engine does).
 
 Pipelining (the post-verify overlap of PEARL, arXiv 2408.11850) pays when the draft runs in a
 process of its own: while the shards verify step i, the draft worker already drafts step i+1 of
@@ -45,29 +47,26 @@ from collections.abc import AsyncIterator
 import ray
 
 from actors.config import RayEngineConfig
-from actors.groups import (HEALTH_GROUP, check_tp_divides, create_draft_worker, create_target_group,
-                           expected_vocab_size, kill_target_group, reserve_draft, target_config)
+from actors.groups import (HEALTH_GROUP, TargetGroupSupervisor, TargetShardError, check_tp_divides,
+                           create_draft_worker, expected_vocab_size, reserve_draft, target_config)
 from actors.metrics import GAUGE_REFRESH_S, EngineMetrics, request_features
-from specdec.engine.backends import DraftCapabilities
+from actors.remote import RemoteDraft, RemoteTarget
 from specdec.kernels.calibration import runtime_check
 from specdec.kernels.linear import VERIFY_TOKENS
 from specdec.models.loading import check_same_vocabulary, load_tokenizer
 from specdec.models.presets import short_name
 from specdec.engine.prompt import PromptResolver
 from specdec.decoding.proposers import NON_MODEL_DRAFTS
-from specdec.engine.request import GenerationRequest, RequestTimeout
-from specdec.engine.scheduler import Cancelled, Scheduler, received
+from specdec.engine.request import Cancelled, GenerationRequest, RequestTimeout
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.step import StepInfo
+from specdec.engine.streams import stream_async
 from specdec.engine.request_state import StreamChunk
 from specdec.decoding.speculation_length import CostModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Coordinator", "RequestTimeout", "TargetShardError"]
-
-
-class TargetShardError(RuntimeError):
-    """A target shard failed or died; the request cannot complete."""
-
+__all__ = ["Cancelled", "Coordinator", "RequestTimeout", "TargetShardError"]
 
 #: A request cancelled within this many seconds of its deadline counts as a timeout, not a
 #: cancellation (the caller enforcing the same deadline cancels it first).
@@ -84,21 +83,17 @@ class Coordinator:
         self.metrics = EngineMetrics(model_name or short_name(config.engine.target), replica,
                                      config.engine.speculative_tokens_limit)
         self.tokenizer = None
-        self.resolve: PromptResolver | None = None  # set up in start()
+        self.prompts: PromptResolver | None = None  # set up in start()
         self.draft = None  # the separate draft worker actor (None when colocated or draft="none")
         self._draft_pg = None  # its placement group
-        self.group = None  # actors.groups.TargetGroup
+        self.shard_group = TargetGroupSupervisor(config)
         self.info: dict = {}
         self.costs = CostModel()
         self.scheduler: Scheduler | None = None
         self.calibration_check = runtime_check(None, None, VERIFY_TOKENS)  # set up in start()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._gauges: asyncio.Task | None = None  # re-sets the metrics' gauges (`_refresh_gauges`)
-        self._last_progress = time.monotonic()  # when a shard call last completed, or work came to an idle engine
-        self._broken: str | None = None  # why the shard group was dropped, until it is rebuilt
-        self._rebuilding = False  # a new shard group is being built (`_rebuild`)
 
     async def start(self) -> dict:
         """Load tokenizers, check the pair and the target's config, start the shard group and the
@@ -122,12 +117,11 @@ class Coordinator:
             if vocab_size is not None:  # the draft loads while the target does
                 self.draft = create_draft_worker(self.config, vocab_size, self._draft_pg)
         try:
-            self.group = await create_target_group(self.config)
+            self.info = await self.shard_group.start()
         except BaseException:
             if self.draft is not None:
                 ray.kill(self.draft, no_restart=True)
             raise
-        self.info = self.group.info
         if separate:
             if self.draft is not None and vocab_size != self.info["vocab_size"]:  # the config did not tell
                 ray.kill(self.draft, no_restart=True)
@@ -145,13 +139,14 @@ class Coordinator:
                      "pipeline": self.config.pipeline and separate,
                      "max_batch_size": engine.max_batch_size}
         self.metrics.engine_started(self.info)
-        self._loop = asyncio.get_running_loop()
         # The scheduler thread's ray.get calls do not block this actor's event loop (as Ray Train's).
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
-        self.resolve = PromptResolver(self.tokenizer, self.info["vocab_size"], self.info["max_context"],
+        self.prompts = PromptResolver(self.tokenizer, self.info["vocab_size"], self.info["max_context"],
                                       engine.target, tuple(self.info["eos_token_ids"]), engine.trust_remote_code)
-        self.scheduler = Scheduler(engine, _RemoteTarget(self), _RemoteDraft(self) if self.has_draft else None,
-                                   self.resolve, costs=self.costs, on_fatal=self._on_fatal)
+        draft = RemoteDraft(self.draft, self.shard_group, pipeline=self.config.pipeline,
+                            per_token=engine.draft != "ngram") if self.has_draft else None
+        self.scheduler = Scheduler(engine, RemoteTarget(self.shard_group), draft, self.prompts, costs=self.costs,
+                                   on_fatal=self._on_fatal)
         self._thread = threading.Thread(target=self._drive, name="specdec-scheduler", daemon=True)
         self._thread.start()
         return self.info
@@ -165,10 +160,7 @@ class Coordinator:
         self.scheduler.drive(stop=lambda: self._stopping, after_step=self._after_step)
 
     def _after_step(self) -> None:
-        """After a step (its requests already answered, a failed one's with its error): rebuild a
-        shard group that the step found broken, so the next request and the health check find it up."""
-        if self.group is None and self._broken is not None and not self._stopping:
-            self._rebuild(self._broken)
+        self.shard_group.rebuild_if_broken()
         self.calibration_check.after_step(self.costs)
 
     async def _refresh_gauges(self) -> None:
@@ -191,8 +183,7 @@ class Coordinator:
             self.scheduler.wake()
         if self.scheduler is not None:
             self.scheduler.fail_all(RuntimeError("the engine is shutting down"))
-        kill_target_group(self.group)
-        self.group = None
+        self.shard_group.shutdown()
         if self.draft is not None:
             ray.kill(self.draft, no_restart=True)
             self.draft = None
@@ -205,7 +196,8 @@ class Coordinator:
     # --------------------------------------------------------------------------- inspection
 
     def handles(self) -> dict:
-        shards = list(self.group.shards) if self.group else []
+        group = self.shard_group.group
+        shards = list(group.shards) if group else []
         draft = shards[0] if self.config.colocated and shards else self.draft
         return {"draft": draft, "shards": shards}
 
@@ -222,14 +214,15 @@ class Coordinator:
         the check at once, one silent for `timeout_s` fails it then; a decoder layer finished (or a
         call begun or ended) anywhere within `stall_s` means slow but progressing; none means stuck."""
         stall_s = self.config.health_stall_s if stall_s is None else stall_s
-        if self.group is None and self._rebuilding:
-            logger.info("health check during a shard group rebuild (%s): recovering, not failed", self._broken)
+        if self.shard_group.group is None and self.shard_group.rebuilding:
+            logger.info("health check during a shard group rebuild (%s): recovering, not failed",
+                        self.shard_group.broken)
             return "rebuilding"
         num_active = self.scheduler.num_active if self.scheduler is not None else 0
         if not num_active:
             await self.request_counts(timeout_s)
             return "idle"
-        since_call_s = time.monotonic() - self._last_progress
+        since_call_s = time.monotonic() - self.shard_group.last_progress
         if since_call_s <= stall_s:
             return "busy"
         progress = await self._ask("progress", timeout_s, HEALTH_GROUP)
@@ -258,10 +251,11 @@ class Coordinator:
     async def _ask(self, method: str, timeout_s: float, concurrency_group: str | None = None) -> dict:
         """Every actor's answer to `method`, by name ("target shard <rank>", "draft worker"). Raises a
         RuntimeError naming the actors that are dead (at once) or did not answer within `timeout_s`."""
-        if self.group is None:
+        group = self.shard_group.group
+        if group is None:
             raise TargetShardError("the target shard group is down: a shard failed and the group is being rebuilt "
                                    "(or could not be)")
-        actors = {f"target shard {rank}": shard for rank, shard in enumerate(self.group.shards)}
+        actors = {f"target shard {rank}": shard for rank, shard in enumerate(group.shards)}
         if self.draft is not None:
             actors["draft worker"] = self.draft
         futures = {}
@@ -288,26 +282,20 @@ class Coordinator:
         the request raises `RequestTimeout` at its next step."""
         # In a thread: a structured-output request compiles its grammar here (the first one also builds
         # the grammar engine's view of the vocabulary, seconds), off the actor's event loop.
-        ids, sampling = await asyncio.to_thread(self.resolve, request)
+        ids, sampling = await asyncio.to_thread(self.prompts, request)
         if request.pipeline is not None and self.draft is None:
             request.pipeline = False  # pipelining needs a draft in a process of its own
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-        out: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         record = self.metrics.arrived(request.request_id, request_features(sampling, bool(request.tools)))
         if not self.scheduler.num_active:  # the health check's stall clock starts when work arrives
-            self._last_progress = time.monotonic()
-
-        def observe(kind: str, data) -> None:  # scheduler thread -> this loop (metrics stay single-threaded)
-            loop.call_soon_threadsafe(_observe, record, kind, data)
-
-        item = self.scheduler.submit(request, ids, sampling, lambda x: loop.call_soon_threadsafe(out.put_nowait, x),
-                                     observer=observe)
+            self.shard_group.last_progress = time.monotonic()
         finish_reason = None
         try:
-            while (chunk := received(await out.get())) is not None:
-                finish_reason = chunk.finish_reason
-                yield chunk
+            async with contextlib.aclosing(stream_async(self.scheduler, request, ids, sampling,
+                                                        observer=_OnLoop(record))) as chunks:
+                async for chunk in chunks:
+                    finish_reason = chunk.finish_reason
+                    yield chunk
         except RequestTimeout:
             finish_reason = "timeout"
             raise
@@ -317,17 +305,17 @@ class Coordinator:
                 finish_reason = "timeout" if late else "cancelled"
             raise
         finally:
-            self.scheduler.cancel(item)  # a no-op once the request has ended
             record.finished(finish_reason or "error")
 
-    # ------------------------------------------------------------------------------ shards
+    # ------------------------------------------------------------------------------ faults
 
     def _on_fatal(self, error: Exception) -> Exception:
-        """A whole shard call failed (scheduler thread): rebuild the group if an actor is gone."""
+        """A whole shard call failed (scheduler thread): drop the group if an actor is gone (it is
+        rebuilt after the step), and say what failed."""
         if isinstance(error, TargetShardError):
             return error
         if isinstance(error, _ACTOR_GONE):
-            self._drop(f"{error.__class__.__name__}")
+            self.shard_group.drop(f"{error.__class__.__name__}")
             return TargetShardError(
                 f"a target shard failed: its actor is gone ({error.__class__.__name__}: {_first_line(error)}); the "
                 "requests of this step were aborted and the shard group is rebuilt for the next ones")
@@ -335,116 +323,24 @@ class Coordinator:
             return TargetShardError(f"a target shard call failed ({error.__class__.__name__}: {_first_line(error)})")
         return error
 
-    def _drop(self, reason: str) -> None:
-        """Kill a broken shard group (its process group cannot lose a member) without waiting for a
-        new one: the step's requests fail at once, and `_after_step` rebuilds it."""
-        kill_target_group(self.group)
-        self.group = None
-        self._broken = reason
-        self._rebuilding = not self._stopping  # `_after_step` starts the rebuild
 
-    def _rebuild(self, reason: str) -> None:
-        """Replace the whole shard group; blocks the scheduler. Not while shutting down: the kill that
-        fails a running call would otherwise start a new group (actors and a placement group) that
-        nothing owns any more."""
-        kill_target_group(self.group)
-        self.group = None
-        if self._stopping:
-            self._rebuilding = False
-            return
-        logger.warning("rebuilding the target shard group: %s", reason)
-        started = time.monotonic()
-        self._rebuilding = True
-        try:
-            group = asyncio.run_coroutine_threadsafe(create_target_group(self.config), self._loop).result()
-        except Exception:  # noqa: BLE001 - the next step fails with a clear error and retries
-            logger.exception("rebuilding the target shard group failed")
-            self._rebuilding = False
-            return
-        if self._stopping:  # shut down while it was being built
-            kill_target_group(group)
-            self._rebuilding = False
-            return
-        self.group, self._broken, self._rebuilding = group, None, False
-        logger.warning("target shard group rebuilt in %.1fs", time.monotonic() - started)
+class _OnLoop:
+    """A request's metrics (`RequestObserver`) told from the scheduler's thread, recorded on the
+    actor's event loop, where the request's other events are recorded (metrics stay single-threaded)."""
 
-    def _shards(self) -> list:
-        if self.group is None:
-            self._rebuild(self._broken or "no shard group")
-        if self.group is None:
-            raise TargetShardError("the target shard group is down and could not be rebuilt")
-        return self.group.shards
+    def __init__(self, record) -> None:
+        self.record, self.loop = record, asyncio.get_running_loop()
 
-    def _gather(self, refs: list):
-        """Every shard's result. A failed or dead shard raises as soon as Ray reports it: not after
-        the others, which wait in their collective for it, give up."""
-        pending = refs
-        while len(pending) > 1:
-            ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready)
-        results = ray.get(refs)
-        self._last_progress = time.monotonic()
-        return results
+    def started(self) -> None:
+        self.loop.call_soon_threadsafe(self.record.started)
 
+    def prefilled(self, num_prompt_tokens: int, num_computed_tokens: int) -> None:
+        self.loop.call_soon_threadsafe(self.record.prefilled, num_prompt_tokens, num_computed_tokens)
 
-class _RemoteTarget:
-    """The scheduler's target calls, sent to every shard (rank 0 answers)."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-
-    def submit_forward(self, rows):
-        refs = [s.forward.remote(rows) for s in self.coordinator._shards()]
-        return lambda: self.coordinator._gather(refs)[0]
-
-    def rewind(self, rows):
-        per_shard = self.coordinator._gather([s.rewind.remote(rows) for s in self.coordinator._shards()])
-        per_row = [list(lengths) for lengths in zip(*per_shard)]
-        for (request_id, length), lengths in zip(rows, per_row):
-            if any(n != length for n in lengths):
-                self.coordinator._drop(f"cache lengths {lengths} after rewinding {request_id} to {length}")
-                raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
-                                       f"length {length}; the shard group is rebuilt")
-        return per_row
-
-    def release(self, request_ids):
-        if self.coordinator.group is not None:
-            for s in self.coordinator.group.shards:
-                s.release.remote(request_ids)
-
-
-class _RemoteDraft:
-    """The scheduler's draft calls: the separate draft worker, or the rank-0 shard (colocated)."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.capabilities = DraftCapabilities(
-            concurrent=coordinator.draft is not None,  # its own process: pre-drafting overlaps the verify
-            pipeline=coordinator.config.pipeline,
-            per_token=coordinator.config.engine.draft != "ngram")
-
-    def submit_propose(self, rows):
-        actor = self.coordinator.draft if self.coordinator.draft is not None else self.coordinator._shards()[0]
-        ref = actor.propose.remote(rows)
-        return lambda: ray.get(ref)
-
-    def release(self, request_ids):
-        if self.coordinator.draft is not None:
-            self.coordinator.draft.release.remote(request_ids)
-
-
-def _observe(record, kind: str, data) -> None:
-    if kind == "started":
-        record.started()
-    elif kind == "prefilled":
-        record.prefilled(data[0], data[1])
-    elif kind == "step":
-        record.step(data)
+    def step(self, info: StepInfo) -> None:
+        self.loop.call_soon_threadsafe(self.record.step, info)
 
 
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return text[0][:200] if text else ""
-
-
-__all__ += ["Cancelled"]

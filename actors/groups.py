@@ -1,4 +1,5 @@
-"""The shard group and the draft worker: placement, start-up, teardown (no driver logic here).
+"""The shard group and the draft worker: placement, start-up, teardown, and the group's supervision
+(`TargetGroupSupervisor`); no driver logic here.
 
 Target shards go into one STRICT_PACK placement group (tensor parallelism needs a fast
 interconnect); a separate draft worker is placed by its own resources, so on a cluster it can sit
@@ -6,12 +7,18 @@ on a different kind of node; a colocated draft lives in the rank-0 shard's proce
 added to that shard's bundle). The coordinator uses these; `builder.py` starts the coordinator.
 Both kinds of actor run their `progress` method in a concurrency group of its own (`HEALTH_GROUP`):
 a thread beside the one that runs forwards, so the health check gets an answer mid-forward.
+
+Supervision: every shard call goes through `TargetGroupSupervisor`, which gives the live group's
+shards, gathers their results (a dead or failed shard raises as soon as Ray reports it, not after
+its siblings give up in their collective), drops a broken group at once (so the step's requests
+fail fast) and rebuilds it after the step, outside any request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -191,3 +198,91 @@ def kill_target_group(group: TargetGroup | None) -> None:
         remove_placement_group(group.placement_group)
     except Exception:  # noqa: BLE001
         pass
+
+
+class TargetShardError(RuntimeError):
+    """A target shard failed or died; the request cannot complete."""
+
+
+class TargetGroupSupervisor:
+    """One engine's target shard group, kept up. `shards()` gives the live group (rebuilding it first
+    if it is down), `gather` waits for every shard's result, `drop` kills a broken group without
+    waiting for a new one, and `rebuild_if_broken` (after the step) replaces it. A group being rebuilt
+    is recovering (`rebuilding`); one whose rebuild failed is `broken` until the next try."""
+
+    def __init__(self, config: RayEngineConfig) -> None:
+        self.config = config
+        self.group: TargetGroup | None = None
+        self.broken: str | None = None  # why the group was dropped, until it is rebuilt
+        self.rebuilding = False  # a new group is being built (or will be, after this step)
+        self.stopping = False
+        self.last_progress = time.monotonic()  # when a shard call last completed
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> dict:
+        """Start the group (on the caller's event loop, which later rebuilds use); its rank 0's info."""
+        self._loop = asyncio.get_running_loop()
+        self.group = await create_target_group(self.config)
+        return self.group.info
+
+    def shards(self) -> list:
+        if self.group is None:
+            self.rebuild(self.broken or "no shard group")
+        if self.group is None:
+            raise TargetShardError("the target shard group is down and could not be rebuilt")
+        return self.group.shards
+
+    def gather(self, refs: list) -> list:
+        """Every shard's result. A failed or dead shard raises as soon as Ray reports it: not after
+        the others, which wait in their collective for it, give up."""
+        pending = refs
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        results = ray.get(refs)
+        self.last_progress = time.monotonic()
+        return results
+
+    def drop(self, reason: str) -> None:
+        """Kill a broken group (its process group cannot lose a member) without waiting for a new one:
+        the step's requests fail at once, and `rebuild_if_broken` rebuilds it after the step."""
+        kill_target_group(self.group)
+        self.group = None
+        self.broken = reason
+        self.rebuilding = not self.stopping
+
+    def rebuild_if_broken(self) -> None:
+        """After a step (its requests already answered, a failed one's with its error): rebuild a group
+        the step found broken, so the next request and the health check find it up."""
+        if self.group is None and self.broken is not None and not self.stopping:
+            self.rebuild(self.broken)
+
+    def rebuild(self, reason: str) -> None:
+        """Replace the whole group; blocks the calling (scheduler) thread. Not while shutting down: the
+        kill that fails a running call would otherwise start a group (actors and a placement group)
+        that nothing owns any more."""
+        kill_target_group(self.group)
+        self.group = None
+        if self.stopping:
+            self.rebuilding = False
+            return
+        logger.warning("rebuilding the target shard group: %s", reason)
+        started = time.monotonic()
+        self.rebuilding = True
+        try:
+            group = asyncio.run_coroutine_threadsafe(create_target_group(self.config), self._loop).result()
+        except Exception:  # noqa: BLE001 - the next step fails with a clear error and retries
+            logger.exception("rebuilding the target shard group failed")
+            self.rebuilding = False
+            return
+        if self.stopping:  # shut down while it was being built
+            kill_target_group(group)
+            self.rebuilding = False
+            return
+        self.group, self.broken, self.rebuilding = group, None, False
+        logger.warning("target shard group rebuilt in %.1fs", time.monotonic() - started)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        kill_target_group(self.group)
+        self.group = None

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from specdec.engine import startup
+from specdec import startup
 from specdec.config import EngineConfig
 from specdec.kernels.calibration import summarize
 from specdec.engine.build import load_target
@@ -110,7 +110,7 @@ class TargetShard:
             # colocated draft's precision (a separate draft worker reports its own).
             "calibration": {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
                             "draft_precision": self.draft.calibration() if self.draft is not None else None},
-            "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/engine/startup.py`)
+            "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
         }
 
     # ------------------------------------------------------------------------------ serving

@@ -72,48 +72,63 @@ def register(subparsers, generate_parser) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _prompts_and_sampling(args: argparse.Namespace):
+    """The run's prompts, sampling parameters and output directory, checked."""
     from benchmarks import prompts as prompt_sources
-    from benchmarks.runner import BenchConfig, check_ray_placements, run
     from specdec.config import SamplingParams
     from specdec.options import from_args
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    check_ray_placements(args.ray_placement)
     sampling = SamplingParams(**from_args(SamplingParams, args))
     if args.prompts:
         prompts, source = prompt_sources.from_jsonl(args.prompts, args.limit), args.prompts
     else:
         prompts, source = prompt_sources.humaneval(args.limit), "HumanEval"
-    out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    return prompts, source, sampling, Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def bench_config_from_args(args: argparse.Namespace):
+    """The benchmark the flags describe, checked, with no model loaded: a `BenchConfig`, or with
+    --concurrency the concurrency run's (concurrencies, prompts, sampling, output directory)."""
+    from benchmarks.runner import BenchConfig, check_ray_placements
+
+    check_ray_placements(args.ray_placement)
+    prompts, source, sampling, out = _prompts_and_sampling(args)
     if args.concurrency is not None:
-        return _concurrency(args, prompts, sampling, out)
-    config = BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
-                         sampling=sampling, k_sweep=args.k_sweep,
-                         max_speculative_tokens=args.max_speculative_tokens, hf=not args.no_hf,
-                         ray_tps=() if args.no_ray else args.ray_tp, ray_placements=args.ray_placement,
-                         ngram=not args.no_ngram, num_threads=args.num_threads, chat=args.chat,
-                         precisions=args.precisions, draft_vocabs=args.draft_vocabs,
-                         prompt_lookup_mins=args.prompt_lookup_mins, hopeless=args.hopeless,
-                         sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
+        if not args.concurrency or any(n < 1 for n in args.concurrency):
+            raise ValueError(f"--concurrency needs integers >= 1, got {','.join(map(str, args.concurrency)) or 'none'}")
+        return tuple(args.concurrency), prompts, sampling, out
+    return BenchConfig(target=args.target, draft=args.draft, prompts=tuple(prompts), prompts_source=source,
+                       sampling=sampling, k_sweep=args.k_sweep, max_speculative_tokens=args.max_speculative_tokens,
+                       hf=not args.no_hf, ray_tps=() if args.no_ray else args.ray_tp,
+                       ray_placements=args.ray_placement, ngram=not args.no_ngram, num_threads=args.num_threads,
+                       chat=args.chat, precisions=args.precisions, draft_vocabs=args.draft_vocabs,
+                       prompt_lookup_mins=args.prompt_lookup_mins, hopeless=args.hopeless,
+                       sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.runner import run
+
+    config = bench_config_from_args(args)
+    if args.concurrency is not None:
+        return _concurrency(args, *config)
     rows, paths = run(config)
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0
 
 
-def _concurrency(args: argparse.Namespace, prompts, sampling, out: Path) -> int:
+def _concurrency(args: argparse.Namespace, concurrencies: tuple[int, ...], prompts, sampling, out: Path) -> int:
     from benchmarks import concurrency
     from specdec.models.loading import load_tokenizer
     from specdec.engine.prompt import check_prompt, tokenize_prompt
 
-    if not args.concurrency or any(n < 1 for n in args.concurrency):
-        raise ValueError(f"--concurrency needs integers >= 1, got {','.join(map(str, args.concurrency)) or 'none'}")
     tokenizer = load_tokenizer(args.target)
     ids = [check_prompt(tokenize_prompt(tokenizer, p.text, args.chat), sampling, len(tokenizer), 1 << 30)
            for p in prompts]
-    rows, paths = concurrency.run(args.target, args.draft, ids, sampling, tuple(args.concurrency), out,
+    rows, paths = concurrency.run(args.target, args.draft, ids, sampling, concurrencies, out,
                                   max_speculative_tokens=args.max_speculative_tokens, num_threads=args.num_threads,
                                   ray=not args.no_ray, hf=not args.no_hf,
                                   command="specdec " + " ".join(sys.argv[1:]))

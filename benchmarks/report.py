@@ -16,9 +16,10 @@ from specdec.decoding.stats import SpeculativeStats
 def summarize(runs: dict[str, list[Run | None]], baseline: str, reference: str, ks: dict, groups: dict,
               greedy: bool) -> list[dict]:
     """One row per method. `runs[method][i]` is prompt i's run (None if the method did not run it);
-    `baseline` is what speedups are measured against; `reference` is the specdec target-only
-    method whose per-token forward time anchors the cost ratio c."""
-    base = runs[baseline]
+    `baseline` is what speedups are measured against (no speedups where it did not run);
+    `reference` is the specdec target-only method whose per-token forward time anchors the cost
+    ratio c."""
+    base = runs.get(baseline, [])
     ref_stats = _merged(runs.get(reference, []))
     t1 = ref_stats.target_seconds / ref_stats.target_forwards if ref_stats and ref_stats.target_forwards else None
     rows = []
@@ -37,7 +38,7 @@ def summarize(runs: dict[str, list[Run | None]], baseline: str, reference: str, 
             "speedup": statistics.median(r.tokens_per_second / b.tokens_per_second for r, b in pairs) if pairs else None,
         }
         if greedy:
-            row["identical_to_baseline"] = sum(r.token_ids == b.token_ids for r, b in pairs)
+            row["identical_to_baseline"] = sum(r.token_ids == b.token_ids for r, b in pairs) if pairs else None
         stats = _merged(method_runs)
         if stats is not None:
             row.update(_speculation(stats, row, t1))
@@ -117,6 +118,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "theory = (1-α^(K+1))/((1-α)(cK+1)); efficiency = speedup ÷ theory.", "",
              f"CPU: {cpu_line(meta)}; target kernel {meta.get('linear_kernel')}, draft "
              f"{meta.get('draft_precision')} (auto: {_calibration_line(meta)}).", "",
+             *_phase_lines(meta),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         k = r.get("k")
@@ -126,10 +128,30 @@ def markdown(rows: list[dict], meta: dict) -> str:
                  _fmt(r.get("target_forwards_per_token"), ".3f"), _fmt(r.get("cost_ratio_c"), ".3f"),
                  _fmt(r.get("theoretical_speedup"), ".2f", "×"), _fmt(r.get("efficiency"), ".0%")]
         if greedy:
-            cells.append(f"{r['identical_to_baseline']}/{r['prompts']}")
+            same = r["identical_to_baseline"]
+            cells.append("–" if same is None else f"{same}/{r['prompts']}")
         cells.append(_fmt(r.get("vs_in_process"), ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _phase_lines(meta: dict) -> list[str]:
+    """What did not run as planned (above the table, so a partial table is read as one), and how
+    the Ray rows were paired with the in-process engine."""
+    lines = []
+    if meta.get("interrupted"):
+        lines.append("**Interrupted** (Ctrl-C): the rows below are what was measured before it.")
+    for item in meta.get("skipped", []):
+        lines.append(f"**Skipped** {item['phase']}: {item['reason']}.")
+    for item in meta.get("failed", []):
+        lines.append(f"**Failed** {item['phase']}: {item['error']} (what it measured before is kept below).")
+    pairing = meta.get("ray_pairing") or {}
+    if pairing:
+        lines.append("Ray rows ÷ paired run: the in-process engine at the defaults, "
+                     + "; ".join(f"{name} {how}" for name, how in pairing.items())
+                     + " (interleaved: prompt by prompt; before/after: every prompt just before and just after "
+                       "the Ray engine, mean of the two times).")
+    return [line for item in lines for line in (item, "")]
 
 
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -205,11 +227,14 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write(out_dir: Path, rows: list[dict], meta: dict, per_prompt: dict) -> dict[str, Path]:
+def write(out_dir: Path, rows: list[dict], meta: dict, per_prompt: dict,
+          with_plots: bool = True) -> dict[str, Path]:
+    """bench.json and bench.md, and the plots unless `with_plots` is False (the runner's checkpoints
+    after each phase skip them: they are drawn once, at the end)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
     paths["json"].write_text(json.dumps({"meta": meta, "summary": rows, "runs": per_prompt}, indent=2) + "\n")
     paths["markdown"].write_text(markdown(rows, meta))
-    for p in plots(rows, out_dir):
+    for p in plots(rows, out_dir) if with_plots and rows else []:
         paths[p.stem] = p
     return paths

@@ -1,34 +1,45 @@
 """Running a benchmark: every method on the same prompts, interleaved prompt by prompt so machine
 drift hits every method alike.
 
-Phase 1, in one process: Hugging Face target-only `generate()` (the baseline), HF assisted
-generation with the same draft, HF prompt lookup, and specdec's in-process engine (target-only,
-a K sweep, auto K, n-gram). All share one copy of the target's weights: HF methods run on the
-stock kernels, specdec on its prepacked ones.
+Phase 1, in one process (`in-process`): Hugging Face target-only `generate()` (the baseline), HF
+assisted generation with the same draft, HF prompt lookup, and specdec's in-process engine
+(target-only, a K sweep, auto K, n-gram). All share one copy of the target's weights: HF methods
+run on the stock kernels, specdec on its prepacked ones. Optionally (`random-init draft`), a
+random-init draft paired with target-only decoding.
 
-Phase 2 (Ray), per tensor-parallel size and draft placement: the Ray engine with the draft
-colocated in the rank-0 shard, and with the draft in its own actor (pipelining off and on), each
-paired prompt by prompt with the in-process engine at the same settings, so the Ray path's overhead is measured
-on one machine state. To fit both in memory, the in-process target then drops its MKL copy of
-the weights (oneDNN only) and the Ray shards use the same kernel.
+Phase 2 (Ray), per tensor-parallel size and draft placement (`ray-tp1-colocated`, ...): the Ray
+engine with the draft colocated in the rank-0 shard, and with the draft in its own actor
+(pipelining off and on), each paired with the in-process engine at the same settings, so the Ray
+path's overhead is measured on one machine state: prompt by prompt where both fit in memory,
+before and after the Ray engine where only one at a time does (`ray_phase.py` says why).
+
+Memory (`memory.py`). Each phase is estimated before it starts and skipped, with a note in
+bench.json's meta (`skipped`) and bench.md, when it cannot fit. A finished phase's engines are
+shut down and dropped and the freed memory handed back to the OS before the next phase loads
+anything; after phase 1 this process keeps only the Ray phases' pair (its target and draft).
+
+Failures. A phase that raises (a Ray actor killed by the memory monitor, a bad value) is logged,
+recorded in meta (`failed`), and the run goes on with the next phase. bench.json and bench.md are
+written after every phase, so the rows measured so far survive even the death of this process,
+and once more on Ctrl-C (meta `interrupted`) before it exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from benchmarks import memory, ray_phase, report
 from benchmarks.methods import HFGenerate, Run, Specdec
 from benchmarks.prompts import Prompt
-from benchmarks import report
 from specdec import EngineConfig, SamplingParams, SpeculativeEngine
 from specdec.kernels.cpu import cpu_info
 from specdec.kernels.linear import PackedLinear
@@ -103,15 +114,43 @@ class BenchConfig:
 
 @dataclass
 class Results:
+    """What a run measured so far, and what became of each phase."""
+
     runs: dict[str, list[Run | None]] = field(default_factory=dict)
     ks: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
     paired: dict[str, str] = field(default_factory=dict)  # ray method -> its in-process pair
+    engine: dict = field(default_factory=dict)  # what the in-process engine chose (kernel, draft precision)
+    skipped: list[dict] = field(default_factory=list)  # {"phase", "reason"}: would not fit in memory
+    failed: list[dict] = field(default_factory=list)  # {"phase", "error"}: raised
+    ray_pairing: dict[str, str] = field(default_factory=dict)  # ray phase -> interleaved | before/after
+    interrupted: bool = False
+    started: float = field(default_factory=time.time)
 
     def add(self, method, index: int, run: Run, num_prompts: int) -> None:
         self.runs.setdefault(method.name, [None] * num_prompts)[index] = run
         self.ks[method.name] = method.k
         self.groups[method.name] = method.group
+
+    def skip(self, phase: str, reason: str) -> None:
+        logger.warning("skipping %s: %s", phase, reason)
+        self.skipped.append({"phase": phase, "reason": reason})
+
+    def measure(self, methods, prompt_ids, sampling: SamplingParams, desc: str, warmup: bool = True) -> None:
+        """Every method on every prompt, interleaved prompt by prompt (after a short warm-up run each)."""
+        if warmup:
+            for method in methods:
+                method.run(prompt_ids[0][:16], SamplingParams(max_tokens=4))
+        n = len(prompt_ids)
+        with _progress(n * len(methods), desc) as bar:
+            for i, ids in enumerate(prompt_ids):
+                # Rotate the order each prompt so no method always runs first (cold caches) or last.
+                order = methods[i % len(methods):] + methods[: i % len(methods)]
+                for method in order:
+                    bar.set_postfix_str(method.name)
+                    sampled = sampling.replace(seed=sampling.seed if sampling.seed is not None else i)
+                    self.add(method, i, method.run(ids, sampled), n)
+                    bar.update()
 
 
 def _progress(total: int, desc: str):
@@ -120,36 +159,105 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
-def _interleave(methods, prompt_ids, sampling, results: Results, desc: str) -> None:
-    n = len(prompt_ids)
-    with _progress(n * len(methods), desc) as bar:
-        for i, ids in enumerate(prompt_ids):
-            # Rotate the order each prompt so no method always runs first (cold caches) or last.
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for method in order:
-                bar.set_postfix_str(method.name)
-                sampled = sampling.replace(seed=sampling.seed if sampling.seed is not None else i)
-                results.add(method, i, method.run(ids, sampled), n)
-                bar.update()
-
-
-def _warm(methods, ids) -> None:
-    for method in methods:
-        method.run(ids[:16], SamplingParams(max_tokens=4))
-
-
 def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
+    """Every phase in turn; returns the summary rows and the paths of bench.json, bench.md and the
+    plots. On Ctrl-C, writes what was measured and re-raises."""
     set_threads(config.num_threads)
-    started = time.time()
-    target = load_model(config.target)
-    draft = load_model(config.draft)
+    results = Results()
+    pair = None
+    try:
+        pair, footprint, prompt_ids = _in_process_phases(config, results)
+        memory.release()  # the in-process methods' engines went with the frames above
+        for tp in config.ray_tps:
+            for placement in config.ray_placements:
+                _ray_phase(config, tp, placement, pair, footprint, prompt_ids, results)
+    except KeyboardInterrupt:
+        results.interrupted = True
+        _, paths = _write(config, results)
+        logger.warning("interrupted: what was measured is in %s", paths["json"])
+        raise
+    finally:
+        if pair is not None:
+            pair.release()
+    return _write(config, results, plots=True)
+
+
+def _attempt(config: BenchConfig, results: Results, phase: str, body: Callable[[], None]) -> None:
+    """Run one phase. An exception is logged with its traceback and recorded (meta `failed`), and
+    the run goes on; either way the rows measured so far are written (the next phase could kill
+    this process). KeyboardInterrupt goes on up to `run`."""
+    try:
+        body()
+    except Exception as e:  # noqa: BLE001 - recorded; the next phase may still run
+        logger.warning("%s failed; going on with the next phase", phase, exc_info=True)
+        results.failed.append({"phase": phase, "error": _one_line(e)})
+    finally:
+        memory.release()
+    _write(config, results)
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _in_process_phases(config: BenchConfig,
+                       results: Results) -> tuple[ray_phase.Pair, memory.Footprint, list[list[int]]]:
+    """Phase 1 and the hopeless phase, on one copy of the target and the draft. Returns the Ray
+    phases' pair (holding the engine at the defaults if there are Ray phases), the models'
+    `Footprint` and the prompts' token ids; every other engine is shut down and dropped."""
+    available = memory.available_memory_bytes()  # before this process holds any model
+    target, draft = load_model(config.target), load_model(config.draft)
+    footprint = memory.Footprint.of(target.model, draft.model)
     sampling = config.sampling
     prompt_ids = [check_prompt(tokenize_prompt(target.tokenizer, p.text, config.chat), sampling, target.vocab_size,
                                target.max_context) for p in config.prompts]
     engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
                                  max_speculative_tokens=config.max_speculative_tokens, num_threads=config.num_threads)
+    results.engine["device"] = str(target.device)
+    pair = ray_phase.Pair(engine_config)
+    # Engines preparing their own copy of the draft: the defaults' (auto precision) and each lever's.
+    copies = 1 + sum(p != "none" for p in config.precisions) + len(config.draft_vocabs)
+    reason = memory.shortfall(footprint.in_process(copies), available)
+    if reason:
+        results.skip("in-process", reason)
+        if config.hopeless:
+            results.skip("random-init draft", "it runs on the in-process phase's engines")
+        return pair, footprint, prompt_ids
     spec = SpeculativeEngine(engine_config, target, draft)
+    results.engine.update(_engine_meta(spec))
     plain = SpeculativeEngine(EngineConfig(target=config.target, draft="none"), target)
+    try:
+        _attempt(config, results, "in-process",
+                 lambda: _in_process_phase(config, engine_config, target, draft, spec, plain, prompt_ids, results))
+        if config.hopeless:
+            reason = memory.shortfall(footprint.hopeless(), memory.available_memory_bytes())
+            if reason:
+                results.skip("random-init draft", reason)
+            else:
+                _attempt(config, results, "random-init draft",
+                         lambda: _hopeless_phase(config, engine_config, target, draft, plain,
+                                                 prompt_ids[:config.hopeless], sampling, results))
+    finally:
+        plain.shutdown()
+    if not config.ray_tps:
+        spec.shutdown()
+        return pair, footprint, prompt_ids
+    if spec.linear_kernel == "onednn":  # hybrid and torch still run the original weights
+        _drop_mkl_weights(target.model)  # the HF methods are done: room for the Ray actors' copy
+    pair.hold(spec)
+    return pair, footprint, prompt_ids
+
+
+def _engine_meta(spec: SpeculativeEngine) -> dict:
+    return {"speculative_sampling_default": spec.config.speculative_sampling, "linear_kernel": spec.linear_kernel,
+            "draft_precision": spec.draft_precision,
+            "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration],
+            "calibration": spec.calibration}  # what auto measured for the kernel and the draft, and when
+
+
+def _in_process_phase(config: BenchConfig, engine_config: EngineConfig, target, draft, spec, plain, prompt_ids,
+                      results: Results) -> None:
     eos = target.eos_token_ids
     methods = []
     if config.hf:
@@ -162,55 +270,16 @@ def run(config: BenchConfig) -> tuple[list[dict], dict[str, Path]]:
     methods.append(Specdec("specdec-auto", spec, "auto"))  # the defaults; its draft: meta["draft_precision"]
     methods += [Specdec(f"specdec-auto ({mode})", spec, "auto", group="sampling", sampling_mode=mode)
                 for mode in config.sampling_modes]
-    methods += _lever_methods(config, engine_config, target, draft)
+    own = _lever_methods(config, engine_config, target, draft)  # engines of this phase alone
     if config.ngram:
-        ngram = SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"), target)
-        methods.append(Specdec("specdec-ngram", ngram, "auto"))
-    baseline = BASELINE if config.hf else REFERENCE
-    results = Results()
-    if config.warmup:
-        _warm(methods, prompt_ids[0])
-    _interleave(methods, prompt_ids, sampling, results, "bench")
-
-    if config.hopeless:
-        methods = [m for m in methods if getattr(m, "engine", None) is spec]  # free the levers' drafts (memory)
-        gc.collect()
-        _hopeless_phase(config, engine_config, target, draft, plain, prompt_ids[:config.hopeless], sampling, results)
-
-    if config.ray_tps:
-        del methods, plain
-        draft = None
-        gc.collect()
-        if spec.linear_kernel == "onednn":  # hybrid and torch still run the original weights
-            _drop_mkl_weights(target.model)  # room for the Ray actors' copy of the target
-        for tp in config.ray_tps:
-            for placement in config.ray_placements:
-                _ray_phase(config, tp, placement, spec, prompt_ids, sampling, results)
-
-    rows = report.summarize(results.runs, baseline, REFERENCE, results.ks, results.groups, sampling.greedy)
-    for row in rows:
-        pair = results.paired.get(row["method"])
-        if pair:
-            mine, theirs = results.runs[row["method"]], results.runs[pair]
-            ratios = [a.tokens_per_second / b.tokens_per_second for a, b in zip(mine, theirs) if a and b]
-            row["vs_in_process"] = sorted(ratios)[len(ratios) // 2] if ratios else None
-    meta = {
-        "target": config.target, "draft": config.draft, "prompts": config.prompts_source,
-        "num_prompts": len(config.prompts), "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "top_k": sampling.top_k,
-        "speculative_sampling_default": spec.config.speculative_sampling, "chat": config.chat, "baseline": baseline,
-        "device": str(target.device), "threads": torch.get_num_threads(), "linear_kernel": spec.linear_kernel,
-        "draft_precision": spec.draft_precision,
-        "draft_calibration": [dataclasses.asdict(m) for m in spec.draft_calibration],
-        "calibration": spec.calibration,  # what auto measured for the kernel and the draft, and when
-        "cpu": cpu_info().as_dict(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - started, 1),
-        "command": " ".join(sys.argv),
-    }
-    per_prompt = {name: [None if r is None else {"tokens": len(r.token_ids), "seconds": round(r.seconds, 4),
-                                                 "tokens_per_second": round(r.tokens_per_second, 3)}
-                         for r in method_runs] for name, method_runs in results.runs.items()}
-    return rows, report.write(config.out_dir, rows, meta, per_prompt)
+        own.append(Specdec("specdec-ngram", SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"),
+                                                               target), "auto"))
+    methods += own
+    try:
+        results.measure(methods, prompt_ids, config.sampling, "bench", config.warmup)
+    finally:
+        for method in own:  # their scheduler threads hold them (and their drafts) until shut down
+            method.engine.shutdown()
 
 
 def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, draft) -> list:
@@ -253,40 +322,61 @@ def _hopeless_phase(config: BenchConfig, engine_config: EngineConfig, target, dr
     methods = [Specdec(f"{REFERENCE} (pair of the random-init draft)", plain, None, group="hopeless"),
                Specdec(f"specdec-auto (random-init draft, {hopeless.draft_precision})", hopeless, "auto",
                        group="hopeless")]
-    if config.warmup:
-        _warm(methods, prompt_ids[0])
-    _interleave(methods, prompt_ids, sampling, results, "bench random-init draft")
     results.paired[methods[1].name] = methods[0].name
+    try:
+        results.measure(methods, prompt_ids, sampling, "bench random-init draft", config.warmup)
+    finally:
+        hopeless.shutdown()
 
 
 def _drop_mkl_weights(model) -> None:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.weight = None
-    gc.collect()
+    memory.release()
 
 
-def _ray_phase(config: BenchConfig, tp: int, placement: str, spec, prompt_ids, sampling, results: Results) -> None:
-    from actors import RayEngineConfig, RolePlacement, build_ray_engine
+def _ray_phase(config: BenchConfig, tp: int, placement: str, pair: ray_phase.Pair, footprint: memory.Footprint,
+               prompt_ids: list[list[int]], results: Results) -> None:
+    """One Ray phase, paired as memory allows (`memory.plan_ray`), or skipped."""
+    name = f"ray-tp{tp}-{placement}"
+    plan = memory.plan_ray(footprint.ray(tp, placement == "separate"), footprint.pair, pair.held,
+                           memory.available_memory_bytes())
+    if plan.pairing is None:
+        results.skip(name, plan.reason)
+        return
+    results.ray_pairing[name] = plan.pairing
+    measure = ray_phase.interleaved if plan.pairing == "interleaved" else ray_phase.before_after
+    _attempt(config, results, name, lambda: measure(config, name, tp, placement, pair, prompt_ids, results))
 
-    threads = config.num_threads or torch.get_num_threads()
-    engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
-                                 max_speculative_tokens=config.max_speculative_tokens,
-                                 linear_kernel="onednn" if tp == 1 else "auto")
-    ray_engine = build_ray_engine(RayEngineConfig(
-        engine=engine_config, tp=tp, draft_placement=placement,
-        draft_role=RolePlacement(num_threads=threads),
-        target_role=RolePlacement(num_threads=max(1, threads // tp))))
-    try:
-        name = f"ray-tp{tp}-{placement}"
-        pair = Specdec(f"specdec-auto (pair of {name})", spec, "auto")
-        methods = [pair, Specdec(name, ray_engine, "auto", group="ray", pipeline=False)]
-        if placement == "separate":
-            methods.append(Specdec(f"{name}-pipeline", ray_engine, "auto", group="ray", pipeline=True))
-        if config.warmup:
-            _warm(methods, prompt_ids[0])
-        _interleave(methods, prompt_ids, sampling, results, f"bench {name}")
-        for m in methods[1:]:
-            results.paired[m.name] = pair.name
-    finally:
-        ray_engine.shutdown()
+
+def _write(config: BenchConfig, results: Results, plots: bool = False) -> tuple[list[dict], dict[str, Path]]:
+    """bench.json and bench.md from what was measured so far (and the plots, at the end)."""
+    sampling = config.sampling
+    baseline = BASELINE if config.hf else REFERENCE
+    rows = report.summarize(results.runs, baseline, REFERENCE, results.ks, results.groups, sampling.greedy)
+    for row in rows:
+        pair = results.paired.get(row["method"])
+        if pair:
+            mine, theirs = results.runs[row["method"]], results.runs.get(pair, [])
+            ratios = [a.tokens_per_second / b.tokens_per_second for a, b in zip(mine, theirs) if a and b]
+            row["vs_in_process"] = sorted(ratios)[len(ratios) // 2] if ratios else None
+    engine = results.engine
+    meta = {
+        "target": config.target, "draft": config.draft, "prompts": config.prompts_source,
+        "num_prompts": len(config.prompts), "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "speculative_sampling_default": engine.get("speculative_sampling_default"), "chat": config.chat,
+        "baseline": baseline, "device": engine.get("device"), "threads": torch.get_num_threads(),
+        "linear_kernel": engine.get("linear_kernel"), "draft_precision": engine.get("draft_precision"),
+        "draft_calibration": engine.get("draft_calibration", []), "calibration": engine.get("calibration"),
+        "cpu": cpu_info().as_dict(), "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(), "seconds": round(time.time() - results.started, 1),
+        "command": " ".join(sys.argv),
+        "ray_pairing": results.ray_pairing, "skipped": results.skipped, "failed": results.failed,
+        "interrupted": results.interrupted,
+    }
+    per_prompt = {name: [None if r is None else {"tokens": len(r.token_ids), "seconds": round(r.seconds, 4),
+                                                 "tokens_per_second": round(r.tokens_per_second, 3)}
+                         for r in method_runs] for name, method_runs in results.runs.items()}
+    return rows, report.write(config.out_dir, rows, meta, per_prompt, with_plots=plots)

@@ -31,16 +31,11 @@ from specdec.options import add_arguments
 
 def _bytes_per_token(cache) -> int:
     total = 0
-    for layer in _layers(cache):
+    for layer in cache.layers:
         k = layer.keys
         if k is not None and k.numel():
             total += 2 * k[..., :1, :].numel() * k.element_size()
     return total
-
-
-def _layers(cache):
-    inner = getattr(cache, "cache", None)
-    return inner.layers if inner is not None and hasattr(inner, "layers") else cache.layers
 
 
 def _timed_model(model):
@@ -75,8 +70,8 @@ def profile(spec: str, rows_list: list[int], context_ids: list[int], k: int, rep
     runner = ModelRunner(loaded)
     base = runner.new_cache()
     for start in range(0, len(context_ids), 512):
-        runner.forward(base, context_ids[start:start + 512])
-    per_token = _bytes_per_token(base.cache if hasattr(base, "cache") else base)
+        runner.forward([base], [context_ids[start:start + 512]], [1])
+    per_token = _bytes_per_token(base)
     spent = _timed_model(loaded.model)
     results = []
     for rows in rows_list:
@@ -89,35 +84,24 @@ def profile(spec: str, rows_list: list[int], context_ids: list[int], k: int, rep
                     c.rewind(length)
                 spent[0] = 0.0
                 start = time.perf_counter()
-                if rows == 1:
-                    for f in range(forwards):
-                        runner.forward(caches[0], [100 + f] * tokens_per_row, tokens_per_row)
-                else:
-                    batch = runner.open_batch(caches, tokens_per_row * forwards)
-                    for f in range(forwards):
-                        runner.forward_rows(batch, [[100 + f] * tokens_per_row] * rows, [tokens_per_row] * rows)
-                    batch.write_back()
+                for f in range(forwards):
+                    runner.forward(caches, [[100 + f] * tokens_per_row] * rows, [tokens_per_row] * rows)
                 totals.append(time.perf_counter() - start)
                 inside.append(spent[0])
             totals, inside = totals[1:], inside[1:]
             total, model = statistics.median(totals), statistics.median(inside)
             new = rows * tokens_per_row * forwards
-            gathered = 0 if rows == 1 or _flat(runner) else rows * length + new  # gather + write-back
             results.append({
                 "phase": name, "rows": rows, "context": length, "tokens_per_row": tokens_per_row,
                 "forwards": forwards, "step_s": total, "model_forward_s": model, "other_s": max(0.0, total - model),
                 "other_share": max(0.0, total - model) / total,
-                "kv_bytes_copied": (gathered * per_token) if gathered else new * per_token,
+                "kv_bytes_copied": new * per_token,  # flat forwards write only the new tokens
                 "kv_bytes_per_token": per_token, "kernel": chosen,
             })
             print(json.dumps(results[-1]), flush=True)
         for c in caches[1:]:
             c.rewind(0)
     return results
-
-
-def _flat(runner) -> bool:
-    return getattr(runner, "flat", False)
 
 
 def compare(before: dict, after: dict, plot_path: Path | None = None) -> str:

@@ -268,7 +268,7 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
     import httpx
 
     from specdec.kernels.calibration import describe
-    from specdec.engine.startup import summary
+    from specdec.startup import summary
 
     line = f"start-up: {summary(phases)}"
     try:

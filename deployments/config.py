@@ -4,6 +4,7 @@ model (`ServeOptions`), converted to the core's and the actors' frozen configs i
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Literal
 
@@ -15,7 +16,9 @@ from pydantic_core import PydanticCustomError
 from actors.config import RayEngineConfig
 from specdec.config import EngineConfig, env
 from specdec.models.presets import DEFAULT_TARGET, short_name, suggest_draft
-from specdec.options import ConfigError, options, pydantic_fields
+from specdec.options import ConfigError, options, pydantic_fields, renamed_keys
+
+logger = logging.getLogger(__name__)
 
 
 class _Serving(BaseModel):
@@ -58,6 +61,14 @@ class _Serving(BaseModel):
                              f"got {value!r}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values):
+        """Options renamed in 0.1.0 (`specdec.options.RENAMED`) still work in a config file's `args`."""
+        if isinstance(values, dict):
+            values = renamed_keys(values, logger.warning)
+        return values
+
     @model_validator(mode="after")
     def _resolve_and_check(self):
         if self.api_key is None and env("API_KEY"):
@@ -87,12 +98,15 @@ class _Serving(BaseModel):
     def ray_engine_config(self) -> RayEngineConfig:
         return RayEngineConfig(engine=self.engine_config(), **{name: getattr(self, name) for name in RAY_OPTIONS})
 
-    def describe(self, config: RayEngineConfig) -> dict:
-        """What /v1/models tells about the engine behind the model id."""
-        return {"target": self.target, "draft": self.draft, "num_speculative_tokens": self.num_speculative_tokens,
-                "max_speculative_tokens": self.max_speculative_tokens, "tp": config.tp,
-                "draft_placement": config.draft_placement if self.draft != "none" else None,
-                "pipeline": config.pipeline, "replicas": self.replicas}
+    def describe(self, config: RayEngineConfig | None = None) -> dict:
+        """What /v1/models tells about the engine behind the model id: the Ray engine's layout
+        (`config`), or an engine in this process (None: `deployments/local.py`)."""
+        info = {"target": self.target, "draft": self.draft, "num_speculative_tokens": self.num_speculative_tokens,
+                "max_speculative_tokens": self.max_speculative_tokens, "replicas": self.replicas}
+        if config is None:
+            return {**info, "in_process": True}
+        return {**info, "tp": config.tp, "draft_placement": config.draft_placement if self.draft != "none" else None,
+                "pipeline": config.pipeline}
 
 
 #: The engine options a service takes: `EngineConfig`'s but the batch (it follows

@@ -23,14 +23,15 @@ from fastapi import FastAPI
 
 from deployments.config import ServeOptions
 from deployments.openai_router import OpenAIRouter
+from deployments.served_model import ServedModel, build_model_info
 from specdec.engine.local import SpeculativeEngine
 from specdec.engine.request import GenerationRequest
 from specdec.engine.request_state import StreamChunk
 from specdec.models.generation_defaults import sampling_defaults
 
 
-class LocalModel:
-    """What `deployments.model_server.ModelServer` answers, from the in-process engine."""
+class LocalModel(ServedModel):
+    """What `deployments.model_server.ModelServer` answers (the `ServedModel`), from the in-process engine."""
 
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
@@ -48,13 +49,11 @@ class LocalModel:
 
     def model_info(self) -> dict:
         target = self.engine.target
-        return {"target": self.options.target, "draft": self.options.draft,
-                "num_speculative_tokens": self.options.num_speculative_tokens,
-                "max_speculative_tokens": self.options.max_speculative_tokens, "in_process": True,
-                "max_context": target.max_context, "device": str(target.device),
-                "dtype": str(self.engine.target_model.dtype), "linear_kernel": self.engine.linear_kernel,
-                "sampling_defaults": self.sampling_defaults, "startup_seconds": self.engine.startup_seconds,
-                "calibration": self.engine.calibration}
+        return build_model_info(
+            self.options.describe(), max_context=target.max_context, device=str(target.device),
+            dtype=str(self.engine.target_model.dtype), linear_kernel=self.engine.linear_kernel,
+            sampling_defaults=self.sampling_defaults,
+            startup_seconds=self.engine.startup_seconds, calibration=self.engine.calibration)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -90,7 +89,7 @@ class _Stream:
 class _Handle:
     """The calling convention of a Serve `DeploymentHandle` over a local object."""
 
-    def __init__(self, target: Any, stream: bool = False) -> None:
+    def __init__(self, target: ServedModel, stream: bool = False) -> None:
         self._target, self._stream = target, stream
 
     def options(self, stream: bool = False, **_) -> "_Handle":

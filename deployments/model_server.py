@@ -1,16 +1,11 @@
 """The model deployment: one engine per replica, the coordinator of `actors/` run in the replica's
 own process (its target shards and draft are Ray actors it starts and owns).
 
-A plain class: `deployments/builder.py` makes it a Serve deployment. The ingress calls
+A plain class: `deployments/builder.py` makes it a Serve deployment. It is the `ServedModel` of
+`deployments/served_model.py` (where the streaming contract is written): the ingress calls
 `generate` through a streaming handle (`handle.options(stream=True)`); each item is a core
-`StreamChunk`, sent as soon as the coordinator commits it.
-
-Streaming contract (the coordinator's, passed through): chunks in commit order, each holding the
-tokens of one verification step and the text they completed; exactly one chunk, the last, has a
-`finish_reason` and the whole `GenerationOutput`. A bad request raises `ValueError` before the first
-chunk. Closing or cancelling the stream (client gone, timeout) cancels the request, and its KV
-caches are freed on every actor. The replica's death takes its coordinator and actors with it
-(Ray owners), and Serve starts a new replica.
+`StreamChunk`, sent as soon as the coordinator commits it. The replica's death takes its
+coordinator and actors with it (Ray owners), and Serve starts a new replica.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from collections.abc import AsyncIterator
 from actors.builder import prepare_models
 from actors.coordinator import Coordinator
 from deployments.config import ServeOptions
+from deployments.served_model import ServedModel, build_model_info
 from specdec.models.generation_defaults import sampling_defaults
 from specdec.engine.request import GenerationRequest
 from specdec.engine.request_state import StreamChunk
@@ -30,7 +26,7 @@ from specdec.engine.request_state import StreamChunk
 logger = logging.getLogger(__name__)
 
 
-class ModelServer:
+class ModelServer(ServedModel):
     async def __init__(self, options: ServeOptions) -> None:
         self.options = options
         self.config = options.ray_engine_config()
@@ -61,15 +57,14 @@ class ModelServer:
 
     def model_info(self) -> dict:
         """The engine's facts for /v1/models: context length, device, K policy, placement."""
-        return {**self.options.describe(self.config), "max_context": self.info["max_context"],
-                "device": self.info["device"], "dtype": self.info["dtype"],
-                "linear_kernel": self.info["linear_kernel"],
-                "engine_startup_seconds": round(self.engine_seconds, 2),
-                "sampling_defaults": self.sampling_defaults,
-                "startup_seconds": self.info.get("startup_seconds", {}),  # the target shard's stages
-                # What load-time measurement chose, from what, and whether serving contradicted it.
-                "calibration": {**self.info.get("calibration", {}),
-                                "contradicted": dict(self.coordinator.calibration_check.contradicted)}}
+        return build_model_info(
+            self.options.describe(self.config), max_context=self.info["max_context"], device=self.info["device"],
+            dtype=self.info["dtype"], linear_kernel=self.info["linear_kernel"],
+            engine_startup_seconds=self.engine_seconds, sampling_defaults=self.sampling_defaults,
+            startup_seconds=self.info.get("startup_seconds", {}),  # the target shard's stages
+            # What load-time measurement chose, from what, and whether serving contradicted it.
+            calibration={**self.info.get("calibration", {}),
+                         "contradicted": dict(self.coordinator.calibration_check.contradicted)})
 
     async def request_counts(self) -> dict:
         """Requests holding state in this replica's engine (in flight, KV caches, draft states)."""

@@ -18,7 +18,7 @@ import logging
 import sys
 
 from specdec.config import quiet_libraries
-from specdec.options import ConfigError, add_arguments, cli_error, from_args
+from specdec.options import ConfigError, add_arguments, add_renamed_flags, cli_error, from_args
 from specdec.models.presets import DEFAULT_TARGET
 
 EXIT_USAGE = 2
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true", help="print the decisions as one JSON object")
     calibrate.set_defaults(func=cmd_models_calibrate)
     _load_plugins(sub, gen)
+    add_renamed_flags(parser)
     return parser
 
 
@@ -125,7 +126,8 @@ def _constraint(args: argparse.Namespace):
     import json
     from pathlib import Path
 
-    from specdec.decoding.structured_output import Constraint, validate
+    from specdec.constraint import Constraint
+    from specdec.decoding.structured_output import validate
 
     if args.json_schema is not None:
         path = Path(args.json_schema).expanduser()
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s")
     if logging.getLogger().level == logging.WARNING:  # the default: still show where start-up time goes
-        logging.getLogger("specdec.engine.startup").setLevel(logging.INFO)
+        logging.getLogger("specdec.startup").setLevel(logging.INFO)
     quiet_libraries()
     try:
         return args.func(args)

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from specdec.decoding.structured_output import Constraint
+from specdec.constraint import Constraint
 from specdec.options import ConfigError, option
 
 #: Temperatures below this sample greedily, as vLLM does: dividing logits by a smaller one overflows
@@ -54,6 +54,34 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}")
+
+
+def _check_int(name: str, value, minimum: int | None, maximum: int | None = None, none_ok: bool = False,
+               note: str = "") -> None:
+    """`value` is an integer (not a bool) in [minimum, maximum] (None: unbounded), or None if `none_ok`."""
+    if value is None and none_ok:
+        return
+    if (isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        bounds = (f" in [{minimum}, {maximum}]" if maximum is not None else
+                  f" >= {minimum}" if minimum is not None else "")
+        raise ConfigError(name, f"{name} must be an integer{bounds}{note}{' or None' if none_ok else ''}, "
+                                f"got {value!r}")
+
+
+def _check_number(name: str, value, low: float, high: float | None, low_open: bool = False, note: str = "") -> None:
+    """`value` is a finite number (not a bool) in [low, high] ((low, high] if `low_open`; high None: unbounded)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else None
+        raise ConfigError(name, f"{name} must be a number in {bounds}{note}, got {value!r}" if bounds else
+                                f"{name} must be a finite number >= {low:g}{note}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -110,65 +138,43 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Normalize the collections (a dict of biases, one stop string), then check every field with
+        the shared checks: a bad value raises `ConfigError` naming its field (a 400 over HTTP)."""
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in pairs))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if (not isinstance(self.repetition_penalty, (int, float)) or isinstance(self.repetition_penalty, bool)
-                or not 0.0 < self.repetition_penalty <= 10.0 or not math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a number in (0, 10] (1 = off), got {self.repetition_penalty!r}")
-        for pair in self.logit_bias:
-            if (len(pair) != 2 or not isinstance(pair[0], int) or isinstance(pair[0], bool) or pair[0] < 0
-                    or not isinstance(pair[1], (int, float)) or isinstance(pair[1], bool)
-                    or not -100.0 <= pair[1] <= 100.0):
-                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
-        if len({pair[0] for pair in self.logit_bias}) < len(self.logit_bias):
-            raise ValueError("logit_bias: a token id appears twice")
-        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_number("temperature", self.temperature, 0.0, None, note=" (0 = greedy)")
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, note=" (0 = disabled)")
+        _check_int("max_tokens", self.max_tokens, 1, none_ok=True)
+        _check_int("seed", self.seed, None, none_ok=True)
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True, note=" (1 = off)")
+        _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True, note=" (alternatives per token)")
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        if self.speculative_sampling is not None:
+            _check_choice("speculative_sampling", self.speculative_sampling, SAMPLING_MODES)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError("stop", f"stop strings must be non-empty strings, got {self.stop!r}")
         for token in self.stop_token_ids:
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                raise ValueError(f"stop_token_ids must be token ids >= 0, got {token!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            _check_int("stop_token_ids", token, 0)
+        for pair in self.logit_bias:
+            if len(pair) != 2:
+                raise ConfigError("logit_bias", f"logit_bias must map token ids to biases, got {pair!r}")
+            _check_int("logit_bias", pair[0], 0, note=" (token ids)")
+            _check_number("logit_bias", pair[1], -100.0, 100.0, note=" (biases)")
+        if len({pair[0] for pair in self.logit_bias}) < len(self.logit_bias):
+            raise ConfigError("logit_bias", "logit_bias: a token id appears twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise ConfigError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                            f"({self.max_tokens})")
         if self.structured is not None and not isinstance(self.structured, Constraint):
-            raise ValueError(f"structured must be a structured_output.Constraint, got {type(self.structured).__name__}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or None, "
-                             f"got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {self.prompt_logprobs!r}")
-        if self.speculative_sampling is not None and self.speculative_sampling not in SAMPLING_MODES:
-            raise ValueError(f"speculative_sampling must be one of {', '.join(SAMPLING_MODES)}, "
-                             f"got {self.speculative_sampling!r}")
+            raise ConfigError("structured", f"structured must be a specdec.constraint.Constraint, got "
+                                            f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -208,18 +214,6 @@ def parse_k(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
-
-
-def _check_int(name: str, value, minimum: int, none_ok: bool = False, note: str = "") -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(name, f"{name} must be an integer >= {minimum}{note}, got {value!r}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ConfigError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -305,7 +299,7 @@ class EngineConfig:
             raise ConfigError("max_batch_tokens", f"max_batch_tokens ({self.max_batch_tokens}) must be >= "
                                                   f"max_batch_size ({self.max_batch_size}): every request in the "
                                                   f"batch feeds at least one token a step")
-        _check_int("draft_vocab_size", self.draft_vocab_size, 1, none_ok=True, note=" (or None: all)")
+        _check_int("draft_vocab_size", self.draft_vocab_size, 1, none_ok=True)
         _check_choice("speculative_sampling", self.speculative_sampling, SAMPLING_MODES)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 0, note=" (0: off)")
         _check_int("ngram_min", self.ngram_min, 1)

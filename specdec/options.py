@@ -8,7 +8,9 @@ which raises `ConfigError` naming the field. From these:
 - `from_args` reads them back into the dataclass's keyword arguments;
 - `pydantic_fields` makes the fields of a pydantic model (`specdec serve`'s `ServeOptions`, the
   `args` of a Serve config file) with the same names, defaults and descriptions;
-- `flag_of` names the flag a `ConfigError` is about.
+- `flag_of` names the flag a `ConfigError` is about;
+- `RENAMED` keeps the names options had before 0.1.0 working for one release, with a warning:
+  `add_renamed_flags` on the command line, `renamed_keys` in `specdec serve`'s options and config files.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ def pydantic_fields(cls, only=None, exclude=(), defaults: dict | None = None) ->
         if meta["choices"]:
             tp = typing.Literal[tuple(meta["choices"])]
         default = defaults.get(f.name, _default(f))
+        if default is None and type(None) not in typing.get_args(tp):
+            tp = tp | None  # an overridden default of None means "unset" (the draft: the preset's suggestion)
         out[f.name] = (tp, Field(default, description=meta["help"]))
     return out
 
@@ -155,3 +159,65 @@ def cli_error(error: ConfigError) -> str:
     """A `ConfigError` as the command line says it: the flag, then the problem."""
     flag, text = flag_of(error.field), str(error)
     return text.replace(error.field, flag, 1) if error.field in text else f"{flag}: {text}"
+
+
+#: Options renamed in 0.1.0 (one name per concept), old name -> new; the old spellings still work,
+#: with a warning, until the next release (docs/cli.md#renamed-options lists them).
+RENAMED = {
+    "k": "num_speculative_tokens",
+    "max_k": "max_speculative_tokens",
+    "threads": "num_threads",
+    "draft_quantization": "draft_precision",
+    "draft_vocab": "draft_vocab_size",
+    "ngram_first": "prompt_lookup_min",
+    "request_timeout": "request_timeout_s",
+}
+
+
+def deprecation(old: str, new: str) -> str:
+    return f"{old} is deprecated: it was renamed {new}, and the old name goes in the next release"
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling of a flag: sets the new flag's value, with a warning on stderr."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **kwargs) -> None:
+        self.new_flag = new_flag
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import sys
+
+        print(f"{parser.prog}: warning: {deprecation(option_string, self.new_flag)}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
+    """Accept each `RENAMED` flag's old spelling where its new one exists (bench's list-valued forms
+    too: `--prompt-lookup-mins`), in `parser` and every subcommand; hidden from --help."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                add_renamed_flags(sub)
+    known = parser._option_string_actions
+    for old, new in RENAMED.items():
+        old_flag = flag_of(old)
+        target = known.get(flag_of(new)) or known.get(flag_of(new) + "s")
+        if target is None or old_flag in known or not isinstance(target, argparse._StoreAction):
+            continue
+        parser.add_argument(old_flag, dest=target.dest, type=target.type, choices=target.choices,
+                            metavar=target.metavar, nargs=target.nargs, help=argparse.SUPPRESS,
+                            action=_RenamedFlag, new_flag=target.option_strings[-1])
+
+
+def renamed_keys(values: dict, warn) -> dict:
+    """`values` (options by name, e.g. a Serve config file's `args`) with `RENAMED` keys under their
+    new names; `warn(message)` is told of each. An old and a new name both given is an error."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"{old} and {new} are both given: {old} is the old name of {new}; keep {new}")
+            out[new] = out.pop(old)
+            warn(deprecation(old, new))
+    return out

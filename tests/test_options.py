@@ -17,7 +17,7 @@ def _actions(*command) -> dict[str, argparse.Action]:
     parser = build_parser()
     for name in command:
         parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-    return {a.dest: a for a in parser._actions}
+    return {a.dest: a for a in parser._actions if a.help != argparse.SUPPRESS}  # not the renamed spellings
 
 
 CLI_DEFAULTS = {"target": "qwen2.5-coder-1.5b-instruct", "draft": None}  # the preset pair; its suggested draft

@@ -11,7 +11,7 @@ were drawn before: nothing depends on K, batch-mates, the step's token budget, p
 BLAKE2b); a scalar uniform comes from the key's bits; a vocabulary-wide noise vector comes from
 SplitMix64 (the generator of Java's `SplittableRandom`, Steele et al. 2014) run from the key over
 the token ids, in exact int64 arithmetic, so every device computes the same bits. Unseeded requests
-get a random seed when they are admitted (`resolve`), and use it the same way.
+get a random seed when they are admitted (`make_concrete`), and use it the same way.
 
 **Two ways to sample** (`SamplingParams.speculative_sampling`):
 - `invariant`: the token at position t is argmax over the vocabulary of (warped logits + G_t), with
@@ -53,8 +53,8 @@ _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
 
-def resolve(sampling: SamplingParams, default_mode: str, prompt_length: int = 0,
-            eos_token_ids: Sequence[int] = ()) -> SamplingParams:
+def make_concrete(sampling: SamplingParams, default_mode: str, prompt_length: int = 0,
+                  eos_token_ids: Sequence[int] = ()) -> SamplingParams:
     """A request's parameters as the engine runs them: where its prompt ends, the model's
     end-of-sequence ids and, sampled, a seed (fresh entropy when it has none) and its sampling mode
     (the engine's default when it named none)."""

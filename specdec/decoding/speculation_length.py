@@ -22,20 +22,58 @@ otherwise), and the scheduler never trims it for batch-mates.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specdec.config import AUTO, EngineConfig
+from specdec.speedup import expected_tokens, theoretical_speedup  # noqa: F401 - re-exported
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """The rest of a step's batch, as one request's K policy weighs it (`choose_ks`)."""
+
+    other_tokens: int = 0  # verify tokens of the other rows (K + 1 each)
+    other_expected: float = 0.0  # tokens the other batch-aware rows are expected to emit
+    rows: int = 1  # rows drafting together (a batched draft forward costs more than a single one)
+
+
+class KPolicy(Protocol):
+    """How one request chooses K each step."""
+
+    #: K weighs the batch and measured costs (auto-K): `choose_ks` tells it the rest of the batch,
+    #: and reads its `last_k` and `expected_tokens` to tell the others.
+    batch_aware: bool
+    #: It proposes at all (FixedK(0) is target-only decoding).
+    drafts: bool
+
+    def next_k(self, load: BatchLoad = BatchLoad()) -> int:
+        """K for the next step."""
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        """What the target accepted of the last proposal."""
+
+    def independent(self) -> "KPolicy":
+        """A policy whose K depends on this request's own history only (a seeded `residual` request:
+        its text depends on K)."""
 
 
 class FixedK:
+    batch_aware = False
+
     def __init__(self, k: int) -> None:
         self.k = k
+        self.drafts = k > 0
 
-    def next_k(self) -> int:
+    def next_k(self, load: BatchLoad = BatchLoad()) -> int:
         return self.k
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         pass
+
+    def independent(self) -> "FixedK":
+        return self
 
 
 class HeuristicK:
@@ -46,12 +84,18 @@ class HeuristicK:
     residual-sampled request's text) is a function of the request alone. Used for seeded
     `residual` requests that ask for auto."""
 
+    batch_aware = False
+    drafts = True
+
     def __init__(self, speculative_tokens_limit: int, k_initial: int = 4) -> None:
         self.speculative_tokens_limit = speculative_tokens_limit
         self.k = max(1, min(k_initial, speculative_tokens_limit))
 
-    def next_k(self) -> int:
+    def next_k(self, load: BatchLoad = BatchLoad()) -> int:
         return self.k
+
+    def independent(self) -> "HeuristicK":
+        return self
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed > 0:
@@ -162,18 +206,6 @@ def _interpolate(known: dict[int, float], num_tokens: int) -> float | None:
     return max(0.0, known[a] + slope * (num_tokens - a))
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per step with K proposals at i.i.d. acceptance rate alpha."""
-    if alpha >= 1.0 - 1e-9:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def theoretical_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan's expected walltime improvement (1 - a^(K+1)) / ((1 - a)(cK + 1))."""
-    return expected_tokens(alpha, k) / (c * k + 1.0)
-
-
 class AutoK:
     """Per-request K policy over an engine-wide `CostModel`.
 
@@ -182,6 +214,9 @@ class AutoK:
     acceptance rate at position j (Leviathan's i.i.d. formula is the special case a_j = a). Positions
     not yet explored borrow the rate of the one before.
     """
+
+    batch_aware = True
+    drafts = True
 
     def __init__(
         self,
@@ -264,9 +299,9 @@ class AutoK:
         known = {k: r for k, r in rates.items() if r is not None}
         return max(known, key=lambda k: (known[k], -k))
 
-    def next_k(self, other_tokens: int = 0, other_expected: float = 0.0, rows: int = 1) -> int:
+    def next_k(self, load: BatchLoad = BatchLoad()) -> int:
         """K for the next step (alone, or in a batch: see `rate`)."""
-        k = self.best_k(other_tokens, other_expected, rows)
+        k = self.best_k(load.other_tokens, load.other_expected, load.rows)
         if k > 0:
             self.probe_interval = self.min_probe_interval
             self.steps_without_draft = 0
@@ -280,8 +315,38 @@ class AutoK:
         self.last_k = k
         return k
 
+    def independent(self) -> HeuristicK:
+        return HeuristicK(self.speculative_tokens_limit)
 
-def make_policy(config: EngineConfig, costs: CostModel, override: int | str | None = None, has_draft: bool = True):
+
+def choose_ks(policies: Sequence[KPolicy | None]) -> list[int]:
+    """K of each row of a step (None: the row does not draft). Batch-aware rows weigh their expected
+    tokens against the step's cost at the batch's total verify rows, so K shrinks as the batch grows
+    (and is 0 once the target is compute-bound); each learns what the rows before it chose."""
+    ks = [0] * len(policies)
+    fixed_tokens, aware = 0, []
+    for i, policy in enumerate(policies):
+        if policy is None:
+            continue
+        if policy.batch_aware:
+            aware.append(i)
+        else:
+            ks[i] = policy.next_k()
+            fixed_tokens += ks[i] + 1
+    if aware:
+        tokens = fixed_tokens + sum(policies[i].last_k + 1 for i in aware)
+        expected = sum(policies[i].expected_tokens(policies[i].last_k) for i in aware)
+        for i in aware:
+            policy = policies[i]
+            mine_tokens, mine_expected = policy.last_k + 1, policy.expected_tokens(policy.last_k)
+            ks[i] = policy.next_k(BatchLoad(tokens - mine_tokens, expected - mine_expected, len(policies)))
+            tokens += ks[i] + 1 - mine_tokens
+            expected += policy.expected_tokens(ks[i]) - mine_expected
+    return ks
+
+
+def make_policy(config: EngineConfig, costs: CostModel, override: int | str | None = None,
+                has_draft: bool = True) -> KPolicy:
     """The K policy of one request: the engine's setting, or a per-request override (an int, "auto",
     or 0 to decode this request with the target alone)."""
     if not has_draft or (override == 0 and not isinstance(override, bool)):

@@ -187,23 +187,32 @@ def verify_invariant(
     return VerifyResult(k, len(out) - 1, out)
 
 
+def argmax_only(sampling: SamplingParams) -> bool:
+    """Whether verifying this request's proposals needs only the target's argmax ids: greedy, nothing
+    done to the logits, no log-probabilities. Decided here and carried by the verify row
+    (`TargetRow.argmax_only`): the target then returns `[K+1]` ids, and a remote shard sends no
+    `[K+1, vocab]` logits."""
+    return sampling.greedy and not sampling.processes_logits and sampling.logprobs is None
+
+
 def verify_proposal(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
-    target_logits: torch.Tensor,
+    target: Sequence[int] | torch.Tensor,
     sampling: SamplingParams,
     position: int,
     prefix: Sequence[int] = (),
 ) -> VerifyResult:
-    """Verify K proposed tokens against the target's `[K+1, vocab]` logits the way the request
-    samples (greedy, invariant or residual); `sampling` must be `sampling.resolve`d (a seed and a mode).
-    position: the absolute position of the first proposed token (the committed length); prefix: the
-    committed tokens (read when the request processes logits). With `sampling.logprobs`, the result
-    carries the emitted tokens' log-probabilities from the same scores."""
-    scores = RowScores(target_logits, sampling, prefix, draft_token_ids)
-    if sampling.greedy and not sampling.processes_logits:
-        result = verify_greedy(draft_token_ids, target_logits)
-    elif sampling.greedy:
+    """Verify K proposed tokens against what the target returned for them: its argmax ids `[K+1]`
+    (a row that asked only for them, `argmax_only`) or its `[K+1, vocab]` logits, the way the request
+    samples (greedy, invariant or residual); `sampling` must be `sampling.make_concrete`d (a seed and
+    a mode). position: the absolute position of the first proposed token (the committed length);
+    prefix: the committed tokens (read when the request processes logits). With `sampling.logprobs`,
+    the result carries the emitted tokens' log-probabilities from the same scores."""
+    if not isinstance(target, torch.Tensor):
+        return verify_greedy_ids(draft_token_ids, target)
+    scores = RowScores(target, sampling, prefix, draft_token_ids)
+    if sampling.greedy:
         result = _verify_greedy_rows(draft_token_ids, scores)
     elif sampling.speculative_sampling == "invariant":
         result = verify_invariant(draft_token_ids, scores, sampling, position)

@@ -5,16 +5,27 @@ outputs. In process they are `engine.LocalTarget`/`LocalDraft` over the core's p
 `actors.coordinator` sends the same calls to the target shards and the draft worker. Calls are
 submitted and then waited on (`submit_*` returns a zero-argument function giving the results), so a
 remote draft can pre-draft while the target verifies. Each result list has one slot per row: the
-row's result, or the exception that failed that row alone.
+row's result, or the exception that failed that row alone (`TargetResult`, `DraftResult`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Union
 
+import torch
+
+from specdec.decoding.proposers import Proposal
 from specdec.engine.pools import DraftRow, TargetRow
+
+#: One row of a verify forward: the target's argmax ids `[num_logits]` (a row that asked for
+#: `TargetRow.argmax_only`) or its float32 logits `[num_logits, vocab]`.
+TargetOutput = Union[list[int], torch.Tensor]
+#: One row's slot of a batched target call: its output, or the exception that failed it alone.
+TargetResult = Union[TargetOutput, Exception]
+#: One row's slot of a batched draft call: its proposal, or the exception that failed it alone.
+DraftResult = Union[Proposal, Exception]
 
 
 @dataclass(frozen=True)
@@ -31,9 +42,8 @@ class DraftCapabilities:
 
 
 class TargetBackend(Protocol):
-    def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], list]:
-        """One batched forward; per row: argmax ids `[num_logits]` (greedy), logits
-        `[num_logits, vocab]`, or an exception."""
+    def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], list[TargetResult]]:
+        """One batched forward; per row its `TargetOutput` or the exception that failed it."""
 
     def rewind(self, rows: Sequence[tuple[str, int]]) -> list[list[int]]:
         """Rewind each (request id, length); per row, the cache length on each shard afterwards."""
@@ -45,8 +55,8 @@ class TargetBackend(Protocol):
 class DraftBackend(Protocol):
     capabilities: DraftCapabilities
 
-    def submit_propose(self, rows: Sequence[DraftRow]) -> Callable[[], list]:
-        """One batched proposal; per row a `Proposal` or an exception."""
+    def submit_propose(self, rows: Sequence[DraftRow]) -> Callable[[], list[DraftResult]]:
+        """One batched proposal; per row a `Proposal` or the exception that failed it."""
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Free these requests' draft states."""

@@ -20,7 +20,7 @@ from specdec.kernels.linear import VERIFY_TOKENS
 from specdec.models.model_runner import ModelRunner
 from specdec.models.loading import LoadedModel, check_same_vocabulary
 from specdec.decoding.proposers import DraftModelProposer, HybridProposer, NgramProposer
-from specdec.engine.startup import stage
+from specdec.startup import stage
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ background thread: they are batched, up to `max_batch_size` requests per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from specdec.engine import startup
+from specdec import startup
 from specdec.engine.backends import DraftCapabilities
 from specdec.config import EngineConfig, SamplingParams
 from specdec.engine.build import Target, load_draft, load_target, prepare_loaded_target
@@ -42,7 +43,8 @@ from specdec.engine.pools import DraftPool, TargetPool
 from specdec.engine.prompt import Prompt, PromptResolver, tokenize_prompt
 from specdec.engine.api import Engine, last_chunk
 from specdec.engine.request import GenerationRequest, as_request, as_requests
-from specdec.engine.scheduler import Scheduler, received
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.streams import received, stream_async
 from specdec.engine.request_state import GenerationOutput, StreamChunk
 from specdec.decoding.speculation_length import CostModel
 
@@ -71,7 +73,7 @@ class SpeculativeEngine(Engine):
         self.target_model = target
         self.tokenizer = target.tokenizer
         self.target = ModelRunner(target)
-        self.resolve = PromptResolver(self.tokenizer, self.target.vocab_size, self.target.max_context, target.spec,
+        self.prompts = PromptResolver(self.tokenizer, self.target.vocab_size, self.target.max_context, target.spec,
                                       lambda: target.eos_token_ids, config.trust_remote_code)
         built = draft if isinstance(draft, Draft) else build_draft(config, draft, self.target.vocab_size,
                                                                      target=target, target_kernel=self.kernel_record)
@@ -89,7 +91,7 @@ class SpeculativeEngine(Engine):
         self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
         self.scheduler = Scheduler(config, LocalTarget(pool, self.target.device),
                                    LocalDraft(self.draft_pool, self.draft_device) if self.draft_pool is not None else None,
-                                   self.resolve, costs=self.costs)
+                                   self.prompts, costs=self.costs)
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stop = False
@@ -141,7 +143,7 @@ class SpeculativeEngine(Engine):
         """Yield what each step commits; the last chunk carries the finish reason and the whole output.
         Closing the iterator early cancels the request and frees its caches."""
         request = as_request(prompt, **fields)
-        return self._stream(*self._submit(request, *self.resolve(request)))
+        return self._stream(*self._submit(request, *self.prompts(request)))
 
     async def generate_async(self, prompt: Prompt | GenerationRequest | None = None,
                              **fields) -> AsyncIterator[StreamChunk]:
@@ -149,22 +151,17 @@ class SpeculativeEngine(Engine):
         in its own thread), so many requests stream from one loop. Closing or cancelling the stream
         cancels the request and frees its caches."""
         request = as_request(prompt, **fields)
-        ids, sampling = await asyncio.to_thread(self.resolve, request)  # a grammar may compile: off the loop
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        item = self.scheduler.submit(request, ids, sampling, lambda x: loop.call_soon_threadsafe(out.put_nowait, x))
-        self._ensure_thread()
-        try:
-            while (chunk := received(await out.get())) is not None:
+        ids, sampling = await asyncio.to_thread(self.prompts, request)  # a grammar may compile: off the loop
+        async with contextlib.aclosing(stream_async(self.scheduler, request, ids, sampling,
+                                                    submitted=lambda item: self._ensure_thread())) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            self.scheduler.cancel(item)  # a no-op once the request has ended
 
     def generate_batch(self, requests: Sequence[GenerationRequest | Prompt]) -> list[GenerationOutput]:
         """Generate many completions together (one batch, `max_batch_size` rows at a time); outputs in
         the order of `requests`. Each is what it would be alone (greedy: token for token)."""
         requests = as_requests(requests)
-        resolved = [self.resolve(r) for r in requests]  # every request is valid before any starts
+        resolved = [self.prompts(r) for r in requests]  # every request is valid before any starts
         submitted = [self._submit(r, *ids_sampling) for r, ids_sampling in zip(requests, resolved)]
         return [last_chunk(self._stream(*s)).output for s in submitted]
 

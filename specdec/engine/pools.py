@@ -1,7 +1,7 @@
 """The per-request state of each model role, keyed by request id, with batched calls over many.
 
 `TargetPool`: the target's KV caches; `forward(rows)` runs one batched forward over every row
-(`ModelRunner.forward_batch`) and returns per row the argmax ids (greedy) or the logits. `DraftPool`:
+(`ModelRunner.forward`) and returns per row the argmax ids (an `argmax_only` row) or the logits. `DraftPool`:
 a proposer with one state (draft KV cache) per request (its random numbers are counter-based,
 `sampling.py`, so they need no state); `propose(rows)`
 drafts every row together (`DraftModelProposer.propose_batch`: one draft forward per position).
@@ -31,11 +31,15 @@ class RowError(RuntimeError):
 
 @dataclass
 class TargetRow:
+    """One request's part of a batched target forward."""
+
     request_id: str
-    token_ids: list[int]
-    num_logits: int
+    token_ids: list[int]  # [num_new] appended to the request's cache
+    num_logits: int  # logits of the last num_logits new positions are returned
     expected_length: int  # tokens the request's cache must hold before this forward
-    greedy: bool
+    # Return the argmax ids `[num_logits]` instead of the logits (`verify.argmax_only`: the verify
+    # needs nothing else, so a remote shard sends no logits).
+    argmax_only: bool
 
 
 class TargetPool:
@@ -43,9 +47,9 @@ class TargetPool:
         self.runner = runner
         self.caches: dict[str, KVCache] = {}
 
-    def forward(self, rows: Sequence[TargetRow]) -> list:
-        """Per row: `[num_logits]` argmax ids (greedy), `[num_logits, vocab]` float32 logits on the CPU,
-        or a `RowError`."""
+    def forward(self, rows: Sequence[TargetRow]) -> list[list[int] | torch.Tensor | RowError]:
+        """Per row: `[num_logits]` argmax ids (`argmax_only`), `[num_logits, vocab]` float32 logits on
+        the CPU, or a `RowError`."""
         results: list = [None] * len(rows)
         live = []
         for i, row in enumerate(rows):
@@ -61,10 +65,10 @@ class TargetPool:
             else:
                 live.append(i)
         if live:
-            logits = self.runner.forward_batch([self.caches[rows[i].request_id] for i in live],
+            logits = self.runner.forward([self.caches[rows[i].request_id] for i in live],
                                                [rows[i].token_ids for i in live], [rows[i].num_logits for i in live])
             for i, row_logits in zip(live, logits):
-                results[i] = row_logits.argmax(dim=-1).tolist() if rows[i].greedy else row_logits.cpu()
+                results[i] = row_logits.argmax(dim=-1).tolist() if rows[i].argmax_only else row_logits.cpu()
         return results
 
     def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:

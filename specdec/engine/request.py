@@ -36,6 +36,10 @@ class GenerationRequest:
             self.prompt_token_ids = list(self.prompt_token_ids)
 
 
+class Cancelled(Exception):
+    """The request was cancelled by its caller (a closed stream, a disconnected client)."""
+
+
 class RequestTimeout(TimeoutError):
     """The request ran past its `timeout_s`; it was stopped at a step boundary and its caches freed."""
 

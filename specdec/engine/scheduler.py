@@ -23,11 +23,13 @@ One step over the running batch B (each row has its own committed length and K):
    batched rewind of the target caches to each row's committed length minus one (the draft rewinds
    lazily, at its next proposal, to the prefix it shares with the committed context).
 
-`_step` reads as that list: `_propose`, `_submit_verify`, `_pre_draft`, `_verify`,
-`_commit_and_rewind`, `_collect_pre_drafts`, then `_observe` hands the step's numbers once to the cost
-model, each request's stats and K policy, and its metrics observer, and `_emit` streams the chunks.
-The state moving between phases is one `specdec.engine.step.Step`; the backends are typed seams
-(`specdec.engine.backends`), the same in process and on Ray.
+`_step` reads as that list: `plan_step` (K per row within the token budget), `_propose`,
+`_submit_verify`, `_pre_draft`, `_verify`, `_commit_and_rewind`, `_collect_pre_drafts`, then
+`_observe` hands the step's numbers once to the cost model, each request's stats and K policy
+(`KPolicy`), and its `RequestObserver` (metrics), and `_emit` streams the chunks. The state moving
+between phases is one `specdec.engine.step.Step`; the backends are typed seams
+(`specdec.engine.backends`: per row a `TargetResult` or a `DraftResult`), the same in process and on
+Ray.
 
 Errors: a row's own error (its slot of a batched call holds an exception) fails that request alone;
 an exception from a whole call fails the requests of that step; the caller's `on_fatal` decides
@@ -41,55 +43,21 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from specdec.engine.backends import DraftBackend, TargetBackend
 from specdec.config import EngineConfig, SamplingParams
+from specdec.decoding import verify
+from specdec.decoding.proposers import Proposal
+from specdec.decoding.sampling import make_concrete
+from specdec.decoding.speculation_length import CostModel, KPolicy, choose_ks, make_policy
+from specdec.engine.backends import DraftBackend, TargetBackend, TargetResult
 from specdec.engine.pools import DraftRow, TargetRow
 from specdec.engine.prompt import PromptResolver
-from specdec.decoding.proposers import Proposal
-from specdec.engine.request import GenerationRequest, RequestTimeout
-from specdec.decoding.sampling import resolve
+from specdec.engine.request import Cancelled, GenerationRequest, RequestTimeout
 from specdec.engine.request_state import RequestState, StreamChunk
-from specdec.decoding.speculation_length import AutoK, CostModel, FixedK, HeuristicK, make_policy
-from specdec.engine.step import Step
-from specdec.decoding import verify
+from specdec.engine.step import (RequestObserver, ScheduledRequest, Step, plan_step, pre_drafted_block,
+                                 truncated)
 
 logger = logging.getLogger(__name__)
-
-
-class Cancelled(Exception):
-    """The request was cancelled by its caller (a closed stream, a disconnected client)."""
-
-
-@dataclass
-class ScheduledRequest:
-    """A request the scheduler holds: its sequence, K policy, where its output goes."""
-
-    request: GenerationRequest
-    seq: RequestState
-    policy: object
-    sink: Callable[[object], None]  # receives StreamChunk objects, then None (done) or an exception
-    pipeline: bool
-    deadline: float | None
-    prefilled: int = 0  # prompt tokens in the target cache so far
-    draft_ok: bool = True
-    pending: Proposal | None = None  # a pre-drafted block for the next step
-    cancelled: bool = False
-    # Its K must not depend on batch-mates (a seeded residual request): `_plan` lets it sit a step
-    # out rather than trim its K to the step's token budget.
-    pinned: bool = False
-    waited: int = 0  # steps sat out in a row for the token budget (they go first next step)
-    # Events for metrics: ("started", None), ("prefilled", (prompt tokens, cached)), ("step", StepInfo).
-    observer: Callable[[str, object], None] | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prefill_target(self) -> int:
-        return len(self.seq.token_ids) - 1  # all but the last prompt token
 
 
 class Scheduler:
@@ -123,7 +91,7 @@ class Scheduler:
         return self.draft is not None
 
     def submit(self, request: GenerationRequest, prompt_token_ids: list[int], sampling: SamplingParams,
-               sink: Callable[[object], None], observer=None) -> ScheduledRequest:
+               sink: Callable[[object], None], observer: RequestObserver | None = None) -> ScheduledRequest:
         """Queue a validated request; its chunks (then None, or an exception) go to `sink` from the
         scheduler's thread."""
         policy = make_policy(self.config, self.costs, request.num_speculative_tokens, has_draft=self.has_draft)
@@ -133,12 +101,12 @@ class Scheduler:
         eos = self.prompts.eos_token_ids
         seeded = sampling.seed is not None
         # A seed and a sampling mode for a sampled request, fixed before anything draws from it.
-        sampling = resolve(sampling, self.config.speculative_sampling, len(prompt_token_ids), eos)
+        sampling = make_concrete(sampling, self.config.speculative_sampling, len(prompt_token_ids), eos)
         pinned, policy = self._pin(sampling, seeded, policy)
         pipeline = pipeline and not pinned
-        seq = RequestState(prompt_token_ids, sampling, self.tokenizer, eos)
+        state = RequestState(prompt_token_ids, sampling, self.tokenizer, eos)
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-        item = ScheduledRequest(request, seq, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
+        item = ScheduledRequest(request, state, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
         with self._wake:
             if request.request_id in self._ids:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -148,18 +116,15 @@ class Scheduler:
         return item
 
     @staticmethod
-    def _pin(sampling: SamplingParams, seeded: bool, policy):
+    def _pin(sampling: SamplingParams, seeded: bool, policy: KPolicy) -> tuple[bool, KPolicy]:
         """(pinned, K policy) of a request. A seeded residual request's text depends on its K and on
         the draft's q: it gets K from its own history alone (auto: `HeuristicK`), never trimmed for
         batch-mates (`_plan`), and it does not pipeline: a pre-drafted block runs the draft over
         other shapes (bfloat16 rounding moves q: 6/64 texts changed,
         docs/bench/seeded-stability-tiny.json) and, with the hybrid draft, looks up another
         context. Greedy and invariant text never depend on K or q."""
-        pinned = (seeded and not sampling.greedy and sampling.speculative_sampling == "residual"
-                  and not (isinstance(policy, FixedK) and policy.k == 0))
-        if pinned and isinstance(policy, AutoK):
-            policy = HeuristicK(policy.speculative_tokens_limit)
-        return pinned, policy
+        pinned = seeded and not sampling.greedy and sampling.speculative_sampling == "residual" and policy.drafts
+        return pinned, policy.independent() if pinned else policy
 
     def cancel(self, item: ScheduledRequest) -> None:
         with self._wake:
@@ -221,7 +186,7 @@ class Scheduler:
                 self.prefilling.append(admitted[-1])
         for item in admitted:
             if item.observer:
-                item.observer("started", None)
+                item.observer.started()
         if self.prefilling:
             self._prefill()
         if self.running:
@@ -235,7 +200,7 @@ class Scheduler:
                     self._finish(item, Cancelled(f"request {item.request_id} was cancelled"))
                 elif item.deadline is not None and now > item.deadline:
                     self._finish(item, RequestTimeout(f"request {item.request_id} ran past its timeout after "
-                                                      f"{item.seq.num_output_tokens} tokens"))
+                                                      f"{item.state.num_output_tokens} tokens"))
 
     def _prefill(self) -> None:
         """One batched forward over the next prompt chunk of every admitted request, `max_batch_tokens`
@@ -245,16 +210,16 @@ class Scheduler:
             end = min(item.prefill_target, item.prefilled + budget)
             if end > item.prefilled:
                 # Prompt log-probabilities need every position's logits; otherwise the last one's argmax.
-                every = item.seq.sampling.prompt_logprobs is not None
-                rows.append(TargetRow(item.request_id, item.seq.token_ids[item.prefilled:end],
-                                      end - item.prefilled if every else 1, item.prefilled, not every))
+                every = item.state.sampling.prompt_logprobs is not None
+                rows.append(TargetRow(item.request_id, item.state.token_ids[item.prefilled:end],
+                                      end - item.prefilled if every else 1, item.prefilled, argmax_only=not every))
                 items.append((item, end))
                 budget -= end - item.prefilled
             elif item.prefilled >= item.prefill_target:
                 items.append((item, item.prefilled))  # a one-token prompt: nothing to prefill
             if budget <= 0:
                 break
-        results = []
+        results: list[TargetResult] = []
         if rows:
             try:
                 results = self.target.submit_forward(rows)()
@@ -268,75 +233,28 @@ class Scheduler:
                 if isinstance(result, Exception):
                     self._finish(item, result)
                     continue
-                top = item.seq.sampling.prompt_logprobs
+                top = item.state.sampling.prompt_logprobs
                 if top is not None:  # position j predicts prompt token j + 1
-                    item.seq.add_prompt_logprobs([verify.token_logprob(result[j], token, top) for j, token in
-                                                  enumerate(item.seq.token_ids[item.prefilled + 1:end + 1])])
+                    item.state.add_prompt_logprobs([verify.token_logprob(result[j], token, top) for j, token in
+                                                  enumerate(item.state.token_ids[item.prefilled + 1:end + 1])])
             item.prefilled = end
             if item.prefilled >= item.prefill_target:
-                item.seq.prefill_seconds = time.perf_counter() - item.seq.started
+                item.state.prefill_seconds = time.perf_counter() - item.state.started
                 if item.observer:
-                    item.observer("prefilled", (item.seq.num_prompt_tokens, item.prefilled))
+                    item.observer.prefilled(item.state.num_prompt_tokens, item.prefilled)
                 self.prefilling.remove(item)
                 self.running.append(item)
 
     # ------------------------------------------------------------------------------ step
 
-    def _choose_k(self, batch: list[ScheduledRequest]) -> list[int]:
-        """K per row. Auto-K rows weigh their expected tokens against the step's cost at the batch's
-        total verify rows, so K shrinks as the batch grows (and is 0 once the target is compute-bound)."""
-        ks = [0] * len(batch)
-        fixed_tokens, autos = 0, []
-        for i, item in enumerate(batch):
-            if not item.draft_ok:
-                continue
-            if isinstance(item.policy, AutoK):
-                autos.append(i)
-            else:
-                ks[i] = item.policy.next_k()
-                fixed_tokens += ks[i] + 1
-        if autos:
-            tokens = fixed_tokens + sum(batch[i].policy.last_k + 1 for i in autos)
-            expected = sum(batch[i].policy.expected_tokens(batch[i].policy.last_k) for i in autos)
-            for i in autos:
-                policy = batch[i].policy
-                mine_tokens, mine_expected = policy.last_k + 1, policy.expected_tokens(policy.last_k)
-                ks[i] = policy.next_k(other_tokens=tokens - mine_tokens, other_expected=expected - mine_expected,
-                                      rows=len(batch))
-                tokens += ks[i] + 1 - mine_tokens
-                expected += policy.expected_tokens(ks[i]) - mine_expected
-        return [item.seq.clamp_k(k, self.max_context) for item, k in zip(batch, ks)]
-
     def _plan(self, running: list[ScheduledRequest]) -> Step:
-        """The step's rows and their K within the token budget (`max_batch_tokens` verify tokens).
-
-        A pinned row (`ScheduledRequest.pinned`) takes its K whole, plus room for the longest proposal it may
-        get (a prompt-lookup match, up to speculative_tokens_limit), or sits this step out; rows that sat out go first
-        next step, so none waits more than a step or two (a pinned row whose K is over the whole
-        budget steps alone). The others share what is left: each at least one token, then the
-        largest K shrinks first."""
-        ks = self._choose_k(running)
-        reach = list(ks)  # the longest proposal a row may get
-        for i, item in enumerate(running):
-            if item.pinned and ks[i]:
-                longest = item.seq.clamp_k(self.config.speculative_tokens_limit, self.max_context) if self.config.prompt_lookup_min else ks[i]
-                reach[i] = max(ks[i], longest)
-        left, rows = self.max_batch_tokens, []
-        for i in sorted(range(len(running)), key=lambda i: -running[i].waited):
-            need = reach[i] + 1 if running[i].pinned else 1
-            if need <= left or not rows:  # a row that needs more than the whole budget steps alone
-                rows.append(i)
-                left -= need
-        for i, item in enumerate(running):
-            item.waited = 0 if i in rows else item.waited + 1
-        rows.sort()
-        free = [i for i in rows if not running[i].pinned]
-        left = max(left, 0) + len(free)
-        while sum(ks[i] + 1 for i in free) > left and any(ks[i] for i in free):
-            ks[max(free, key=lambda i: ks[i])] -= 1
-        return Step([running[i] for i in rows], [ks[i] for i in rows], started=time.perf_counter(),
-                    reach=[reach[i] if running[i].pinned else None for i in rows],
-                    room=max(0, left - sum(ks[i] + 1 for i in free)))
+        """K per row (`choose_ks`: a failed draft's rows go target-only), clamped to each row's
+        max_tokens and the context, then the rows that fit the token budget (`plan_step`)."""
+        ks = choose_ks([item.policy if item.draft_ok else None for item in running])
+        ks = [item.state.clamp_k(k, self.max_context) for item, k in zip(running, ks)]
+        lookup = (lambda item: item.state.clamp_k(self.config.speculative_tokens_limit, self.max_context)) \
+            if self.config.prompt_lookup_min else None
+        return plan_step(running, ks, self.max_batch_tokens, lookup)
 
     def _step(self, batch: list[ScheduledRequest]) -> None:
         """One speculative step over the running batch, phase by phase (see the module docstring)."""
@@ -364,19 +282,21 @@ class Scheduler:
             if k <= 0:
                 continue
             if pending is not None and len(pending):
-                step.proposals[i] = _truncate(pending, k)
+                step.proposals[i] = truncated(pending, k)
             else:
                 draft_rows.append(i)
         if not draft_rows:
             return
-        # Room for proposals that cost no draft forward (prompt-lookup matches): up to speculative_tokens_limit per row,
-        # within max_tokens, the context and the step's token budget (`_plan` set a pinned row's).
-        free = [i for i in draft_rows if step.reach[i] is None]
-        caps = {i: max(ks[i], batch[i].seq.clamp_k(self.config.speculative_tokens_limit, self.max_context)) for i in free}
-        if free and sum(caps[i] - ks[i] for i in free) > step.room:
-            caps = {i: min(caps[i], ks[i] + step.room // len(free)) for i in free}
-        caps.update({i: step.reach[i] for i in draft_rows if step.reach[i] is not None})
-        rows = [DraftRow(batch[i].request_id, list(batch[i].seq.token_ids), ks[i], batch[i].seq.sampling, caps[i])
+        # Room for proposals that cost no draft forward (prompt-lookup matches): up to
+        # speculative_tokens_limit per row, within max_tokens, the context and the step's token
+        # budget (`plan_step` reserved a pinned row's).
+        limit = self.config.speculative_tokens_limit
+        free = [i for i in draft_rows if step.pinned_max_tokens[i] is None]
+        caps = {i: max(ks[i], batch[i].state.clamp_k(limit, self.max_context)) for i in free}
+        if free and sum(caps[i] - ks[i] for i in free) > step.spare_tokens:
+            caps = {i: min(caps[i], ks[i] + step.spare_tokens // len(free)) for i in free}
+        caps.update({i: step.pinned_max_tokens[i] for i in draft_rows if step.pinned_max_tokens[i] is not None})
+        rows = [DraftRow(batch[i].request_id, list(batch[i].state.token_ids), ks[i], batch[i].state.sampling, caps[i])
                 for i in draft_rows]
         try:
             results = self.draft.submit_propose(rows)()
@@ -392,8 +312,8 @@ class Scheduler:
     def _submit_verify(self, step: Step):
         """Send every row's `[last committed, d1..dK]` to the target in one batched forward."""
         step.verify_started = time.perf_counter()
-        step.rows = [TargetRow(item.request_id, [item.seq.token_ids[-1]] + p.token_ids, len(p) + 1,
-                               len(item.seq.token_ids) - 1, _argmax_only(item.seq.sampling))
+        step.rows = [TargetRow(item.request_id, [item.state.token_ids[-1]] + p.token_ids, len(p) + 1,
+                               len(item.state.token_ids) - 1, verify.argmax_only(item.state.sampling))
                      for item, p in zip(step.batch, step.proposals)]
         try:
             return self.target.submit_forward(step.rows)
@@ -404,20 +324,20 @@ class Scheduler:
     def _pre_draft(self, step: Step) -> None:
         """While the target verifies, draft each pipelined row's next block as if this one is accepted
         whole (PEARL, arXiv 2408.11850)."""
-        step.early_rows = [i for i, (item, p) in enumerate(zip(step.batch, step.proposals))
-                           if item.pipeline and item.draft_ok and len(p)]
-        if not step.early_rows:
+        step.pre_drafting_rows = [i for i, (item, p) in enumerate(zip(step.batch, step.proposals))
+                                  if item.pipeline and item.draft_ok and len(p)]
+        if not step.pre_drafting_rows:
             return
-        rows = [DraftRow(step.batch[i].request_id, step.batch[i].seq.token_ids + step.proposals[i].token_ids,
-                         len(step.proposals[i]) + 1, step.batch[i].seq.sampling) for i in step.early_rows]
+        rows = [DraftRow(step.batch[i].request_id, step.batch[i].state.token_ids + step.proposals[i].token_ids,
+                         len(step.proposals[i]) + 1, step.batch[i].state.sampling) for i in step.pre_drafting_rows]
         try:
             step.wait_pre_draft = self.draft.submit_propose(rows)
         except Exception as e:  # noqa: BLE001
-            for i in step.early_rows:
+            for i in step.pre_drafting_rows:
                 self._draft_failed(step.batch[i], e)
-            step.early_rows = []
+            step.pre_drafting_rows = []
 
-    def _verify(self, step: Step, wait_target) -> bool:
+    def _verify(self, step: Step, wait_target: Callable[[], list[TargetResult]]) -> bool:
         """Accept each row's longest valid prefix: exactly (greedy) or by rejection sampling."""
         try:
             outputs = wait_target()
@@ -429,33 +349,30 @@ class Scheduler:
             if isinstance(out, Exception):
                 self._finish(item, out)
                 continue
-            sampling = item.seq.sampling
+            state = item.state
             try:
-                if _argmax_only(sampling):  # a remote target returns the argmax ids
-                    step.results[i] = verify.verify_greedy_ids(p.token_ids, out)
-                else:
-                    step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, sampling,
-                                                             len(item.seq.token_ids), item.seq.token_ids)
+                step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, state.sampling,
+                                                         len(state.token_ids), state.token_ids)
             except Exception as e:  # noqa: BLE001 - this request's processing failed; the batch goes on
                 self._finish(item, e)
                 continue
-            step.keep.append(i)
+            step.verified_rows.append(i)
         return True
 
     def _commit_and_rewind(self, step: Step) -> bool:
         """Commit each row's tokens through its stopping rules, then rewind the target caches to each
         unfinished row's committed length minus one (the next step's input)."""
-        for i in step.keep:
-            step.chunks[i] = step.batch[i].seq.commit(step.results[i].token_ids, step.results[i].logprobs)
+        for i in step.verified_rows:
+            step.chunks[i] = step.batch[i].state.commit(step.results[i].token_ids, step.results[i].logprobs)
             step.chunks[i].num_proposed = len(step.proposals[i])
-        rewind = [i for i in step.keep if not step.batch[i].seq.finished]
+        rewind = [i for i in step.verified_rows if not step.batch[i].state.finished]
         if not rewind:
             return True
         try:
-            got = self.target.rewind([(step.batch[i].request_id, len(step.batch[i].seq.token_ids) - 1)
+            got = self.target.rewind([(step.batch[i].request_id, len(step.batch[i].state.token_ids) - 1)
                                       for i in rewind])
         except Exception as e:  # noqa: BLE001
-            self._fatal_or_fail([step.batch[i] for i in step.keep], e)
+            self._fatal_or_fail([step.batch[i] for i in step.verified_rows], e)
             return False
         step.cache_lengths = dict(zip(rewind, got))
         return True
@@ -465,8 +382,8 @@ class Scheduler:
         if step.wait_pre_draft is None:
             return
         batch, results = step.batch, step.results
-        usable = [i for i in step.early_rows if i in step.chunks and results[i].all_accepted
-                  and not batch[i].seq.finished]
+        usable = [i for i in step.pre_drafting_rows if i in step.chunks and results[i].all_accepted
+                  and not batch[i].state.finished]
         early = None
         if usable:
             try:
@@ -474,7 +391,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 for i in usable:
                     self._draft_failed(batch[i], e)
-        for j, i in enumerate(step.early_rows):
+        for j, i in enumerate(step.pre_drafting_rows):
             proposal = early[j] if early is not None and isinstance(early[j], Proposal) else None
             hit = bool(i in usable and proposal is not None and proposal.token_ids
                        and proposal.token_ids[0] == results[i].token_ids[-1])
@@ -503,32 +420,32 @@ class Scheduler:
             elif forwards and catchup <= 2:  # a long catch-up is a small prefill, not a draft step
                 self.costs.observe_draft(forwards, drafting, rows=len(drafted))
                 self.costs.observe_draft_call(max(0.0, step.draft_seconds - drafting))
-        for i in step.keep:
+        for i in step.verified_rows:
             item, p, result = batch[i], step.proposals[i], step.results[i]
-            info = step.info(i, verify_seconds, item.seq.stats.draft_failures)
-            item.seq.record_step(len(p), result.num_accepted, p.num_forwards,
-                                 step.draft_seconds if step.drafted[i] else 0.0, verify_seconds)
+            info = step.info(i, verify_seconds, item.state.stats.draft_failures)
+            item.state.record_step(len(p), result.num_accepted, p.num_forwards,
+                                   step.draft_seconds if step.drafted[i] else 0.0, verify_seconds)
             if info.pipeline_hit is not None:
-                item.seq.stats.pipeline_hits += info.pipeline_hit
-                item.seq.stats.pipeline_misses += not info.pipeline_hit
+                item.state.stats.pipeline_hits += info.pipeline_hit
+                item.state.stats.pipeline_misses += not info.pipeline_hit
             item.policy.observe(len(p), result.num_accepted)
             if item.observer:
-                item.observer("step", info)
+                item.observer.step(info)
 
     def _emit(self, step: Step) -> None:
         """Stream each row's new tokens; a finished row leaves the batch (caches freed first)."""
-        for i in step.keep:
+        for i in step.verified_rows:
             item, chunk = step.batch[i], step.chunks[i]
             if i in step.cache_lengths:
                 chunk.cache_lengths = step.cache_lengths[i]
-            if item.seq.finished:
-                chunk.output = item.seq.output()
+            if item.state.finished:
+                chunk.output = item.state.output()
                 self._finish(item, None, last=chunk)
             else:
                 item.sink(chunk)
 
     def _draft_failed(self, item: ScheduledRequest, error: Exception) -> None:
-        item.seq.stats.draft_failures += 1
+        item.state.stats.draft_failures += 1
         item.draft_ok = False
         item.pending = None
         logger.warning("draft failed for request %s (%s: %s); it continues target-only", item.request_id,
@@ -561,29 +478,3 @@ class Scheduler:
         if last is not None:
             item.sink(last)
         item.sink(error)
-
-
-def _argmax_only(sampling: SamplingParams) -> bool:
-    """The verify needs only the target's argmax ids (a remote shard then sends no logits)."""
-    return sampling.greedy and not sampling.processes_logits and sampling.logprobs is None
-
-
-def received(item):
-    """What a request's sink received, for its stream: a chunk; None once it has ended; a failure is
-    raised (the request is already out of the scheduler then)."""
-    if isinstance(item, BaseException):
-        raise item
-    return item
-
-
-def pre_drafted_block(early: Proposal) -> Proposal:
-    """The next step's proposal from a block pre-drafted after [proposal]: its first token guessed
-    the bonus token (and was right), the rest follow it, each with the q row it was drawn from."""
-    return Proposal(early.token_ids[1:], early.probs[1:] if early.probs is not None else None)
-
-
-def _truncate(proposal: Proposal, k: int) -> Proposal:
-    if len(proposal) <= k:
-        return proposal
-    probs = proposal.probs[:k] if proposal.probs is not None else None
-    return Proposal(proposal.token_ids[:k], probs)

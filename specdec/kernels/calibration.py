@@ -12,9 +12,14 @@ this module:
   `/proc/stat`, minus this process's own), the 1-minute load average, and each candidate's spread
   over the rounds (median over minimum).
 - **Trusted only when consistent**: the callers check their figures against what physics allows
-  (no draft costs more than the target; a draft's cost cannot exceed what its size allows) and
-  measure again when they are not. A decision made under load, or from figures that stay
-  inconsistent, is used for this start but never cached (`Record.cacheable`), and the log says so.
+  (a draft's cost cannot exceed what its size allows; a kernel's 5-token pass cannot cost much less
+  than the same kernel's 1-token pass) and measure again when they are not. A decision from figures
+  that stay inconsistent is used for this start but never cached (`Record.trusted`).
+- **Cached when robust to the noise seen**: a decision is cached when it was measured on a quiet
+  machine (no other process busy), and its rounds agreed, or disagreed in a way that could not have
+  changed it: the choice made from each candidate's minimum equals the choice made from its median
+  over the rounds. A choice that noise could flip, or one measured while other processes ran, is
+  used for this start only, and the log says why.
 - **Cached per CPU** (`load_record` / `save_record`): `$SPECDEC_CACHE/calibration/<digest>.json`
   holds the key (models, threads, CPU model and flags, torch), the choice, every measurement, the
   conditions and the date.
@@ -104,11 +109,21 @@ class Conditions:
     attempts: int = 0
     seconds: float = 0.0
     consistent: bool = True  # the figures passed the caller's physical checks
+    # The choice from every candidate's minimum equals the choice from its median: the noise seen
+    # could not have changed it (None: the caller gave no rule to choose by).
+    robust: bool | None = None
     problems: list[str] = field(default_factory=list)  # why not quiet or not consistent
 
     @property
     def quiet(self) -> bool:
         return (self.others_cores is None or self.others_cores <= MAX_OTHERS_CORES) and self.spread <= MAX_SPREAD
+
+    @property
+    def trusted(self) -> bool:
+        """A decision worth caching: consistent figures, no other process busy while measuring, and
+        rounds that agreed, or disagreed in a way that could not change the choice (robust)."""
+        others_ok = self.others_cores is None or self.others_cores <= MAX_OTHERS_CORES
+        return self.consistent and others_ok and (self.spread <= MAX_SPREAD or bool(self.robust))
 
     def describe(self) -> str:
         others = "?" if self.others_cores is None else f"{self.others_cores:.2f}"
@@ -135,12 +150,15 @@ def spread(times: list[float]) -> float:
 
 
 def calibrate(timers: dict[str, Callable[[], float]], check: Callable[[dict[str, float]], list[str]],
-              rounds: int = 5, attempts: int = 3) -> tuple[dict[str, float], Conditions]:
+              rounds: int = 5, attempts: int = 3,
+              choose: Callable[[dict[str, float]], str] | None = None) -> tuple[dict[str, float], Conditions]:
     """Measure `timers` in interleaved rounds until the minima pass `check` (which returns the
-    problems it finds, empty when consistent) on a quiet machine, for at most `attempts` attempts.
-    Each timer's figure is its minimum over every round of every attempt (the minimum only
-    improves); the conditions describe the last attempt (its load and spread). The caller caches a
-    decision only when the conditions are quiet and consistent (`Record.trusted`)."""
+    problems it finds, empty when consistent) and the decision can be trusted, for at most
+    `attempts` attempts. Each timer's figure is its minimum over every round of every attempt (the
+    minimum only improves); the conditions describe the last attempt (its load and spread).
+    `choose` is the caller's rule (figures -> choice): the decision is robust when it picks the same
+    from the minima and from the medians. The caller caches a decision only when the conditions are
+    consistent, and quiet or robust (`Conditions.trusted`)."""
     started = time.perf_counter()
     samples: dict[str, list[float]] = {name: [] for name in timers}
     conditions = Conditions(load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
@@ -157,11 +175,18 @@ def calibrate(timers: dict[str, Callable[[], float]], check: Callable[[dict[str,
         conditions.spread = max(spread(times) for times in latest.values())
         conditions.consistent = not problems
         conditions.problems = list(problems)
+        if choose is not None:
+            medians = {name: statistics.median(times) for name, times in samples.items()}
+            by_min, by_median = choose(minima), choose(medians)
+            conditions.robust = by_min == by_median
+            if not conditions.robust:
+                conditions.problems.append(f"the choice depends on the noise: {by_min} by the minima, {by_median} "
+                                           "by the medians")
         if others is not None and others > MAX_OTHERS_CORES:
             conditions.problems.append(f"other processes used {others:.2f} cores while measuring")
         if conditions.spread > MAX_SPREAD:
             conditions.problems.append(f"a candidate's median was {conditions.spread:.0%} above its minimum")
-        if conditions.consistent and conditions.quiet:
+        if conditions.trusted:
             break
         if attempt < attempts:
             logger.info("calibration attempt %d not trusted (%s); measuring again", attempt,
@@ -211,11 +236,9 @@ class Record:
 
     @property
     def trusted(self) -> bool:
-        """Measured on a quiet machine, and the figures passed the physical checks."""
-        c = self.conditions
-        quiet = (c.get("others_cores") is None or c["others_cores"] <= MAX_OTHERS_CORES) \
-            and c.get("spread", 0.0) <= MAX_SPREAD
-        return quiet and c.get("consistent", True)
+        """The figures passed the physical checks, on a quiet machine or robustly to its noise."""
+        known = {k: v for k, v in self.conditions.items() if k in Conditions.__dataclass_fields__}
+        return Conditions(**known).trusted
 
     def describe(self) -> str:
         """`onednn (verify_ratio 1.06, ...; measured 2026-12-05T20:31:07+00:00 on Intel(R) Xeon(R) ..., cached)`."""
@@ -297,8 +320,8 @@ def cache_if_trusted(record: Record) -> bool:
     if record.trusted:
         return save_record(record)
     c = record.conditions
-    logger.warning("%s %r: measured under load or inconsistent (%s); used for this start, not cached: the next "
-                   "start measures again", record.key.get("kind"), record.choice,
+    logger.warning("%s %r: measured under load that could have changed it, or inconsistent (%s); used for this "
+                   "start, not cached: the next start measures again", record.key.get("kind"), record.choice,
                    "; ".join(c.get("problems", [])) or f"spread {c.get('spread', 0):.0%} over the rounds")
     return False
 

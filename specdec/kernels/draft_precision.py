@@ -53,7 +53,7 @@ from specdec.models import model_cache
 from specdec.kernels.cpu import cpu_info
 from specdec.config import DRAFT_PRECISIONS
 from specdec.kernels.linear import Int8WeightLinear, onednn_available, pack_linears, replace_linears
-from specdec.decoding.speculation_length import expected_tokens
+from specdec.speedup import expected_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -240,11 +240,11 @@ def _decode_timer(runner, prefix: list[int], token: int, argmax: bool):
     """A timer of one single-token decode forward after `prefix` through `runner` (the path decoding
     uses: ModelRunner over a KVCache), argmax included for a draft; the cache is rewound after each."""
     cache = runner.new_cache()
-    runner.forward(cache, prefix, 1)
+    runner.forward([cache], [prefix], [1])
 
     def once() -> float:
         start = time.perf_counter()
-        logits = runner.forward(cache, [token], 1)
+        logits = runner.forward([cache], [[token]], [1])[0]
         if argmax:
             int(logits[0].argmax())
         seconds = time.perf_counter() - start
@@ -271,7 +271,7 @@ def measure(candidates: dict, input_ids: torch.Tensor, target=None, speculative_
     for name, loaded in candidates.items():
         runner = ModelRunner(loaded, vocab_size=vocab)
         try:
-            argmaxes[name] = runner.forward(runner.new_cache(), ids, len(ids)).argmax(dim=-1)  # [T]
+            argmaxes[name] = runner.forward([runner.new_cache()], [ids], [len(ids)])[0].argmax(dim=-1)  # [T]
             runners[name] = runner
         except (RuntimeError, NotImplementedError) as e:  # a kernel this CPU or torch build lacks
             if name == "none":
@@ -279,7 +279,7 @@ def measure(candidates: dict, input_ids: torch.Tensor, target=None, speculative_
             logger.info("draft precision %s does not run here: %s", name, e)
     if target is not None:
         target_runner = ModelRunner(target)
-        reference = target_runner.forward(target_runner.new_cache(), ids, len(ids)).argmax(dim=-1)
+        reference = target_runner.forward([target_runner.new_cache()], [ids], [len(ids)])[0].argmax(dim=-1)
     else:
         reference = argmaxes["none"]
     prefix, token = ids[:-1], ids[-1]
@@ -301,17 +301,24 @@ def measure(candidates: dict, input_ids: torch.Tensor, target=None, speculative_
         return [f"the cheapest draft ({cheapest}) measured c = {c:.2f}, more than its size allows ({bound:.2f}: "
                 f"{size_ratio:.2f} of the target's linear weights)"]
 
-    minima, conditions = calibration.calibrate(timers, problems, rounds=rounds, attempts=attempts)
-    target_seconds = minima["target"] if target is not None else minima["none"] / ASSUMED_COST_RATIO
-    results = []
-    for name in runners:
-        # Position t predicts token t+1: compare the predictions, the last one included.
-        agreement = float((argmaxes[name] == reference).float().mean())
-        alpha = agreement if target is not None else ASSUMED_ALPHA * agreement
-        c = minima[name] / target_seconds
-        speedup, best_k = expected_speedup(min(alpha, 0.999), c, speculative_tokens_limit, verify_slope)
-        results.append(Measurement(name, agreement, alpha, minima[name], c, speedup, best_k))
-    return results, conditions
+    # Agreement is measured once; the costs, and with them each candidate's expected speedup, come
+    # from the timings (the minima, or the medians when `calibrate` checks the choice is robust).
+    agreement = {name: float((argmaxes[name] == reference).float().mean()) for name in runners}
+
+    def results(figures: dict[str, float]) -> list[Measurement]:
+        target_seconds = figures["target"] if target is not None else figures["none"] / ASSUMED_COST_RATIO
+        out = []
+        for name in runners:
+            # Position t predicts token t+1: compare the predictions, the last one included.
+            alpha = agreement[name] if target is not None else ASSUMED_ALPHA * agreement[name]
+            c = figures[name] / target_seconds
+            speedup, best_k = expected_speedup(min(alpha, 0.999), c, speculative_tokens_limit, verify_slope)
+            out.append(Measurement(name, agreement[name], alpha, figures[name], c, speedup, best_k))
+        return out
+
+    minima, conditions = calibration.calibrate(timers, problems, rounds=rounds, attempts=attempts,
+                                               choose=lambda figures: pick(results(figures)).precision)
+    return results(minima), conditions
 
 
 def pick(measurements: list[Measurement]) -> Measurement:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache
 
 from specdec.models.kv_cache import KVCache
 
@@ -112,13 +113,15 @@ class FlatBatch:
         return mask
 
 
-class FlatCache:
+class FlatCache(Cache):
     """What the model sees as its cache during a flat forward: it routes each layer's new keys/values
-    to the rows' own caches. Built per forward; holds nothing itself."""
+    to the rows' own caches. Built per forward; holds nothing itself. (A transformers `Cache`, since
+    models check `isinstance(cache, Cache)`.)"""
 
     is_compileable = False
 
     def __init__(self, batch: FlatBatch) -> None:
+        super().__init__(layers=[])
         self.batch = batch
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -135,31 +138,7 @@ class FlatCache:
         return 0  # positions come in `position_ids`, per token
 
 
-def _cache_base():
-    """`FlatCache` as a transformers `Cache` (models check `isinstance(cache, Cache)`)."""
-    from transformers.cache_utils import Cache
-
-    class FlatModelCache(FlatCache, Cache):
-        def __init__(self, batch: FlatBatch) -> None:
-            Cache.__init__(self, layers=[])
-            FlatCache.__init__(self, batch)
-
-        update = FlatCache.update
-        get_seq_length = FlatCache.get_seq_length
-
-    return FlatModelCache
-
-
 _active = threading.local()
-
-
-def _model_cache(batch: FlatBatch):
-    return _model_cache_class()(batch)
-
-
-@functools.cache
-def _model_cache_class():
-    return _cache_base()
 
 
 def _eager_of(module):
@@ -251,7 +230,7 @@ def flat_forward(model, batch: FlatBatch):
     _active.forward = (batch, original or "eager")
     config._attn_implementation = ATTENTION_NAME
     try:
-        yield _model_cache(batch)
+        yield FlatCache(batch)
     finally:
         config._attn_implementation = original
         _active.forward = None

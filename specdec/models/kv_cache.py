@@ -115,7 +115,7 @@ class LayerKV:
 class KVCache:
     """One request's keys/values for every layer of one model, plus the ids of the tokens they hold."""
 
-    def __init__(self, model_config=None) -> None:
+    def __init__(self) -> None:
         self.layers: list[LayerKV] = []  # grown to the model's layer count on the first forward
         self.token_ids: list[int] = []
 

@@ -181,7 +181,7 @@ def load_model(
     `prepare(model)` (e.g. prepacking the target's linears) runs in a thread as soon as the weights
     are in, while the tokenizer loads: C++ work beside Python work, both cores busy.
     """
-    from specdec.engine.startup import in_background, stage
+    from specdec.startup import in_background, stage
 
     with stage(f"load {role}", spec):
         dev = device if isinstance(device, torch.device) else select_device(device)

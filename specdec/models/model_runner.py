@@ -18,21 +18,6 @@ from specdec.models.kv_cache import KVCache
 from specdec.models.loading import LoadedModel
 
 
-class RowBatch:
-    """Rows that run a series of forwards together (the draft's K proposal positions). Nothing is
-    gathered: each forward packs the rows' new tokens and writes into their own caches."""
-
-    def __init__(self, caches: Sequence[KVCache]) -> None:
-        self.caches = list(caches)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(c) for c in self.caches]
-
-    def write_back(self) -> None:
-        """Nothing to do: forwards wrote straight into the rows' caches (kept for callers' symmetry)."""
-
-
 class ModelRunner:
     """Runs `model(new_tokens, cache)` and returns float32 logits `[num_logits, vocab_size]`."""
 
@@ -46,11 +31,8 @@ class ModelRunner:
         self.max_context = loaded.max_context
         check_supported(self.model.config)
 
-    #: every forward is flat (read by `benchmarks.step_profile`)
-    flat = True
-
     def new_cache(self) -> KVCache:
-        return KVCache(self.model.config)
+        return KVCache()
 
     def _check_context(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]]) -> None:
         for cache, tokens in zip(caches, token_lists):
@@ -59,11 +41,13 @@ class ModelRunner:
                                  f"{self.max_context}")
 
     @torch.inference_mode()
-    def forward_packed(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
-                       num_logits: Sequence[int]) -> list[torch.Tensor | None]:
-        """One flat forward: row i appends `token_lists[i]` (empty: it sits this one out) to `caches[i]`
-        and gets the float32 logits of its last `num_logits[i]` new positions, `[num_logits[i], vocab]`
-        (None when it sat out). Each row's logits are those it gets alone, up to float summation order."""
+    def forward(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
+                num_logits: Sequence[int]) -> list[torch.Tensor | None]:
+        """One flat forward over many requests' caches (a single request is a batch of one): row i
+        appends `token_lists[i]` (empty: it sits this one out) to `caches[i]` and gets the float32
+        logits of its last `num_logits[i]` new positions, `[num_logits[i], vocab]`, where logits row j
+        predicts the token after `token_lists[i][len - num_logits[i] + j]` (None when it sat out).
+        Each row's logits are those it gets alone, up to float summation order."""
         self._check_context(caches, token_lists)
         live = [i for i, t in enumerate(token_lists) if t]
         if not live:
@@ -76,7 +60,7 @@ class ModelRunner:
         with flat_forward(self.model, batch) as cache:
             out = self.model(input_ids=input_ids, position_ids=batch.position_ids, cache=cache, use_cache=True,
                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
-        for j, i in enumerate(live):
+        for i in live:
             caches[i].append(token_lists[i])
         logits = self._to_vocab(out.logits[0].float())  # [num_logits_total, vocab]
         rows: list[torch.Tensor | None] = [None] * len(token_lists)
@@ -85,33 +69,6 @@ class ModelRunner:
             rows[i] = logits[offset : offset + num_logits[i]]
             offset += num_logits[i]
         return rows
-
-    def forward(self, cache: KVCache, token_ids: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        """Append `token_ids` to `cache` and return the logits of its last `num_logits` positions.
-
-        Returns: `[num_logits, vocab_size]` float32 logits; row i predicts the token after
-        `token_ids[len(token_ids) - num_logits + i]`.
-        """
-        if not token_ids:
-            raise ValueError("forward needs at least one new token")
-        return self.forward_packed([cache], [token_ids], [num_logits])[0]
-
-    def can_batch(self, caches: Sequence[KVCache]) -> bool:
-        return len(caches) > 1
-
-    def open_batch(self, caches: Sequence[KVCache], extra: int = 0) -> RowBatch:
-        """Rows for a series of `forward_rows` calls (`extra`: unused, nothing is reserved or gathered)."""
-        return RowBatch(caches)
-
-    def forward_rows(self, batch: RowBatch, token_lists: Sequence[Sequence[int]],
-                     num_logits: Sequence[int]) -> list[torch.Tensor | None]:
-        """`forward_packed` over `batch`'s rows."""
-        return self.forward_packed(batch.caches, token_lists, num_logits)
-
-    def forward_batch(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]],
-                      num_logits: Sequence[int]) -> list[torch.Tensor]:
-        """`forward` of many caches in one flat pass."""
-        return self.forward_packed(caches, token_lists, num_logits)
 
     def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v, mv = self.vocab_size, logits.shape[-1]

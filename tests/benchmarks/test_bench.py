@@ -1,14 +1,32 @@
-"""`specdec bench` end to end on tiny models: every output is written and holds sane values."""
+"""`specdec bench` end to end on tiny models: every output is written and holds sane values, and a
+phase that cannot fit or fails leaves the rows measured before it written."""
 
 import json
 
 import pytest
 
+from benchmarks import memory
 from benchmarks.runner import BenchConfig
 from specdec.cli import main
+from specdec.models.loading import load_model
 
 
-def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys):
+def _leave_room_for_one_at_a_time(monkeypatch, target, draft, tp: int, placement: str) -> None:
+    """Report just too little free memory for ray-tp{tp}-{placement} beside its in-process pair, and
+    enough once the pair is released (the window is the pair's size: the tiny models' ~100 kB)."""
+    footprint = memory.Footprint.of(load_model(str(target)).model, load_model(str(draft)).model)
+    need = footprint.ray(tp, placement == "separate")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: need + memory.HEADROOM - 1)
+    # Negative control: the plan changes across the window's edges.
+    assert memory.plan_ray(need, footprint.pair, True, need + memory.HEADROOM).pairing == "interleaved"
+    assert memory.plan_ray(need, footprint.pair, True, need + memory.HEADROOM - 1).pairing == "before/after"
+    assert memory.plan_ray(need, footprint.pair, True, need - footprint.pair + memory.HEADROOM - 1).pairing is None
+
+
+def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys, monkeypatch):
+    # Both pairings in one run: the colocated phase fits beside its pair (one process fewer), the
+    # separate one only with the pair released and reloaded around it.
+    _leave_room_for_one_at_a_time(monkeypatch, tiny_llama, tiny_llama_draft, 1, "separate")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"w5 w6 w7 w8 w9 w10"\n{"id": "second", "prompt": "w3 w1 w2 w3 w1 w2 w3"}\n')
     out = tmp_path / "out"
@@ -35,6 +53,11 @@ def test_bench_smoke(tiny_llama, tiny_llama_draft, tmp_path, ray_session, capsys
     assert rows["specdec-k3"]["mean_k"] <= 3 and len(rows["specdec-k3"]["acceptance_by_position"]) == 3
     for name in ("ray-tp1-colocated", "ray-tp1-separate", "ray-tp1-separate-pipeline"):
         assert rows[name]["vs_in_process"] > 0, name
+    assert data["meta"]["ray_pairing"] == {"ray-tp1-colocated": "interleaved", "ray-tp1-separate": "before/after"}
+    # The reloaded pair ran both blocks on both prompts (and matched the baseline, checked above).
+    assert rows["specdec-auto (pair of ray-tp1-separate)"]["prompts"] == 2
+    assert not [name for name in rows if "after" in name]
+    assert data["meta"]["skipped"] == [] and data["meta"]["failed"] == [] and not data["meta"]["interrupted"]
     markdown = (out / "bench.md").read_text()
     assert "| specdec-k3 |" in markdown and "speedup" in markdown
     for png in ("speedup.png", "acceptance_by_position.png", "speedup_vs_k.png"):
@@ -102,3 +125,95 @@ def test_bench_levers(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
         assert row["identical_to_baseline"] == row["prompts"], name  # greedy: same tokens as HF target-only
     with pytest.raises(ValueError, match="--precisions"):
         BenchConfig(target="t", draft="d", prompts=("x",), prompts_source="-", precisions=("int4",))
+
+
+def _two_prompts(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"w5 w6 w7 w8 w5 w6 w7 w8"\n"w3 w1 w2 w3 w1 w2 w3"\n')
+    return prompts
+
+
+def test_bench_skips_a_ray_phase_that_cannot_fit(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
+    """A Ray phase whose estimate exceeds the free memory is skipped before any actor starts (no Ray
+    here: the test does not start it); the in-process rows are written and the skip is recorded."""
+    footprint = memory.Footprint.of(load_model(str(tiny_llama)).model, load_model(str(tiny_llama_draft)).model)
+    need = footprint.ray(1, separate=False)  # colocated: the fewest processes
+    free = need + memory.HEADROOM - footprint.pair - 1  # too little even with the pair released
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: free)
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts",
+                 str(_two_prompts(tmp_path)), "--max-tokens", "8", "--no-hf", "--k-sweep", "", "--no-ngram",
+                 "--ray-tp", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in data["summary"]}
+    assert set(rows) == {"specdec-none", "specdec-auto"}  # the in-process phase fitted the same free memory
+    assert all(row["prompts"] == 2 for row in rows.values())
+    skipped = data["meta"]["skipped"]
+    assert [s["phase"] for s in skipped] == ["ray-tp1-colocated", "ray-tp1-separate"]
+    assert all(s["reason"].startswith("needs ~") and "available" in s["reason"] for s in skipped)
+    assert data["meta"]["ray_pairing"] == {} and data["meta"]["failed"] == []
+    assert "**Skipped** ray-tp1-separate: needs ~" in (out / "bench.md").read_text()
+    # Negative control: one byte more and the colocated phase would start (its pair released meanwhile).
+    assert memory.plan_ray(need, footprint.pair, True, free + 1).pairing == "before/after"
+
+
+def test_bench_failed_ray_phase_keeps_earlier_rows(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
+    """A Ray phase that raises (here: the builder, as when the memory monitor kills a shard as it
+    loads) is recorded, the next phase still runs, and the rows measured before are written."""
+    import actors
+    from ray.exceptions import OutOfMemoryError
+
+    calls = []
+
+    def killed(config, address=None):
+        calls.append(config.draft_placement)
+        raise OutOfMemoryError("Task was killed due to the node running low on memory.\nMemory on the node ...")
+
+    monkeypatch.setattr(actors, "build_ray_engine", killed)
+    # Colocated runs interleaved (the pair stays), separate before/after (the pair runs, is released,
+    # and its rows are dropped when the Ray engine measured nothing to compare with).
+    _leave_room_for_one_at_a_time(monkeypatch, tiny_llama, tiny_llama_draft, 1, "separate")
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts",
+                 str(_two_prompts(tmp_path)), "--max-tokens", "8", "--k-sweep", "1", "--no-ngram",
+                 "--no-prompt-lookup", "--ray-tp", "1", "--out", str(out)]) == 0
+    assert calls == ["colocated", "separate"]  # the fault happened, twice: the run went on after the first
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in data["summary"]}
+    assert set(rows) == {"hf", "hf-assisted", "specdec-none", "specdec-k1", "specdec-auto"}
+    for name, row in rows.items():
+        assert row["prompts"] == 2 and row["identical_to_baseline"] == 2, name
+    failed = data["meta"]["failed"]
+    assert [f["phase"] for f in failed] == ["ray-tp1-colocated", "ray-tp1-separate"]
+    assert all(f["error"].startswith("OutOfMemoryError: Task was killed") for f in failed)
+    assert data["meta"]["ray_pairing"] == {"ray-tp1-colocated": "interleaved", "ray-tp1-separate": "before/after"}
+    markdown = (out / "bench.md").read_text()
+    assert "**Failed** ray-tp1-colocated: OutOfMemoryError" in markdown and "| specdec-k1 |" in markdown
+    assert (out / "speedup.png").exists()  # the run ended normally: the plots too
+
+
+def test_bench_interrupted_writes_what_was_measured(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
+    """Ctrl-C in the middle of the in-process phase: the rows of the prompts measured are written
+    before the command exits with 130."""
+    from benchmarks.methods import Specdec
+
+    real_run, calls = Specdec.run, []
+
+    def run(self, prompt_token_ids, sampling):
+        calls.append(self.name)
+        if len(calls) == 5:  # 2 warm-up runs, prompt 0 by both methods, then prompt 1
+            raise KeyboardInterrupt
+        return real_run(self, prompt_token_ids, sampling)
+
+    monkeypatch.setattr(Specdec, "run", run)
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts",
+                 str(_two_prompts(tmp_path)), "--max-tokens", "8", "--no-hf", "--k-sweep", "", "--no-ngram",
+                 "--no-ray", "--out", str(out)]) == 130
+    assert len(calls) == 5
+    # Nothing else writes bench.json before the phase ends: it exists because of the interrupt.
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["interrupted"] is True
+    rows = {r["method"]: r for r in data["summary"]}
+    assert set(rows) == {"specdec-none", "specdec-auto"} and all(r["prompts"] == 1 for r in rows.values())
+    assert "**Interrupted**" in (out / "bench.md").read_text()

@@ -21,7 +21,7 @@ import pytest
 
 from specdec import SamplingParams, SpeculativeEngine
 from specdec.engine.request import GenerationRequest
-from specdec.decoding.structured_output import Constraint
+from specdec.constraint import Constraint
 from tests.deployments.processes import free_port, serve_yaml_app
 
 MODEL = "tiny-bpe"

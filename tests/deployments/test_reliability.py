@@ -46,7 +46,8 @@ SPECDEC = str(Path(sys.executable).with_name("specdec"))
 TIMEOUT_S = 15
 MAX_ONGOING, MAX_QUEUED = 8, 8
 IDLE = {"coordinator": 0, "shards": [0, 0], "draft": 0}
-#: What a process may grow by between the first and the last load round (same requests each round).
+#: What a process may grow by over two load rounds (same requests each round): a round's share of it
+#: is what the last round may add, after the warm-up (`leaks`).
 RSS_GROWTH_BOUND = 64 * 2**20
 
 
@@ -260,8 +261,28 @@ def test_load_rounds_all_succeed_equal_the_target_alone_and_leak_nothing(service
     lines = [f"{name}: {' -> '.join(f'{r[name] / 2**20:.0f}' for r in rss if name in r)} MiB"
              for name in sorted(rss[0])]
     figures("memory (RSS) after each load round: " + "; ".join(lines))
-    grown = {name: rss[-1][name] - rss[0][name] for name in rss[0] if name in rss[-1]}
-    assert all(g <= RSS_GROWTH_BOUND for g in grown.values()), grown
+    assert not leaks(rss), leaks(rss)
+
+
+def leaks(rss: list[dict[str, int]]) -> dict[str, list[int]]:
+    """The processes whose memory grew in the last round, after the warm-up rounds, by more than a
+    round's share of RSS_GROWTH_BOUND, with their MiB per round. A leak grows with the requests
+    served, so in every round; a fresh process warming up (allocator pools, kernels for new batch
+    shapes) grows for a round or two and then stays flat: a shard started later than its siblings
+    measured 390 -> 467 -> 467 MiB (AMD EPYC Zen 4), which the old first-to-last bound called a leak."""
+    bound = RSS_GROWTH_BOUND // (len(rss) - 1)
+    return {name: [r[name] // 2**20 for r in rss if name in r] for name in rss[-1]
+            if name in rss[-2] and rss[-1][name] - rss[-2][name] > bound}
+
+
+def test_a_leak_is_told_from_a_warm_up():
+    mib = 2**20
+    warm_up = [{"shard": 390 * mib, "draft": 457 * mib}, {"shard": 467 * mib, "draft": 458 * mib},
+               {"shard": 467 * mib, "draft": 458 * mib}]
+    assert leaks(warm_up) == {}
+    # The negative control: a leak of 40 MiB a round (80 MiB over the three, past the old bound too).
+    leaking = [{"shard": 400 * mib}, {"shard": 440 * mib}, {"shard": 480 * mib}]
+    assert leaks(leaking) == {"shard": [400, 440, 480]}
 
 
 def test_overload_gets_503_with_retry_after_and_then_serves_normally(service, figures):

@@ -95,6 +95,47 @@ def test_calibrate_takes_each_candidates_minimum_and_retries_when_inconsistent(t
     assert len(checks) == 2
 
 
+def test_a_kernel_whose_sizes_run_on_two_libraries_is_not_taken_for_load():
+    """hybrid runs 1 row on MKL and 5 on oneDNN: on an AMD EPYC Zen 4 its 5 tokens measured 0.59x its
+    1 token on a quiet machine, every start, and the old per-candidate rule called that load."""
+    from specdec.kernels.linear import _kernel_problems
+
+    quiet_zen4 = {"onednn/1": 0.100, "onednn/3": 0.105, "onednn/5": 0.110,
+                  "hybrid/1": 0.190, "hybrid/3": 0.200, "hybrid/5": 0.112,
+                  "torch/1": 0.185, "torch/3": 0.400, "torch/5": 0.600}
+    assert _kernel_problems(quiet_zen4) == []
+    # Negative controls: one library's 5-token pass far below its own 1-token pass is impossible.
+    assert _kernel_problems({**quiet_zen4, "onednn/5": 0.05, "hybrid/5": 0.06}) == [
+        "onednn: 5 tokens measured 0.50x one token"]
+    assert _kernel_problems({**quiet_zen4, "torch/5": 0.10}) == ["mkl: 5 tokens measured 0.54x one token"]
+
+
+def _calibrate_rounds(delays: dict[str, list[float]], choose, attempts: int = 1):
+    calls = {name: 0 for name in delays}
+
+    def timer(name):
+        def once():
+            calls[name] += 1
+            return delays[name][(calls[name] - 1) % len(delays[name])]
+        return once
+
+    return calibrate({name: timer(name) for name in delays}, lambda minima: [], rounds=len(delays["a"]),
+                     attempts=attempts, choose=choose)
+
+
+def test_noisy_rounds_are_trusted_only_when_the_noise_cannot_change_the_choice(monkeypatch):
+    monkeypatch.setattr(specdec.kernels.calibration, "_busy_seconds", lambda: None)  # others' load: unknown
+    fastest = lambda figures: min(figures, key=figures.get)  # noqa: E731
+    # Spread far above MAX_SPREAD, but "a" wins by its minimum and by its median: robust, cached.
+    _, robust = _calibrate_rounds({"a": [0.01, 0.03, 0.03], "b": [0.05, 0.09, 0.09]}, fastest)
+    assert robust.spread > specdec.kernels.calibration.MAX_SPREAD and robust.robust and robust.trusted
+    # The same spread where the minima and the medians disagree: not trusted, measured again, and the
+    # problem is named (the negative control).
+    _, flips = _calibrate_rounds({"a": [0.01, 0.05, 0.05], "b": [0.02, 0.03, 0.03]}, fastest, attempts=2)
+    assert not flips.robust and not flips.trusted and flips.attempts == 2
+    assert "a by the minima, b by the medians" in "; ".join(flips.problems)
+
+
 def test_cost_bound_follows_the_drafts_size():
     assert cost_bound(1 / 3) == pytest.approx(0.55)  # a third of the target cannot cost 0.6 of it
     assert cost_bound(1.0) == pytest.approx(1.2)  # a draft as large as the target: about its cost

@@ -71,25 +71,25 @@ def test_penalties_and_logprobs_from_the_command_line(tiny_llama, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-p", "1.1"], "top_p"),
-    (["--top-k", "-2"], "top_k"),
-    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "--temperature must be"),  # the flag, not the field
+    (["--top-p", "0"], "--top-p must be"),
+    (["--top-p", "1.1"], "--top-p must be"),
+    (["--top-k", "-2"], "--top-k must be"),
+    (["--max-tokens", "0"], "--max-tokens must be"),
     (["-k", "0"], "--num-speculative-tokens must be"),
     (["--max-tokens", "600"], "exceeds the model's context"),
     (["--chat"], "no chat template"),
-    (["--presence-penalty", "3"], "presence_penalty"),
-    (["--repetition-penalty", "0"], "repetition_penalty"),
+    (["--presence-penalty", "3"], "--presence-penalty must be"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be"),
     (["--logit-bias", "5"], "--logit-bias"),
-    (["--logit-bias", "5=200"], "logit_bias"),
+    (["--logit-bias", "5=200"], "--logit-bias must be a number in [-100, 100]"),
     (["--logit-bias", "500=1"], "logit_bias"),
-    (["--logprobs", "21"], "logprobs"),
+    (["--logprobs", "21"], "--logprobs must be"),
     (["--regex", "(unclosed"], "--regex"),
     (["--json-schema", '{"type": "objekt"}'], "--json-schema"),
     (["--grammar", "/no/such/file.lark"], "--grammar"),
     (["--json-object"], "structured output is not available"),  # a word-level tokenizer
-    (["--min-tokens", "300"], "min_tokens"),
+    (["--min-tokens", "300"], "--min-tokens (300) must not exceed max_tokens"),
 ])
 def test_bad_options_exit_2(tiny_llama, capsys, args, message):
     assert _exit_code(["generate", "--target", str(tiny_llama), *args, "w1 w2"]) == 2
@@ -169,7 +169,7 @@ def test_seeded_sampling_from_the_command_line_is_the_target_only_text(tiny_llam
 
 def test_generate_with_a_json_schema_and_a_choice(tiny_bpe_pair, capsys):
     from specdec import SamplingParams, SpeculativeEngine
-    from specdec.decoding.structured_output import Constraint
+    from specdec.constraint import Constraint
 
     target, draft = tiny_bpe_pair
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}

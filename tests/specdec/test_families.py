@@ -84,7 +84,7 @@ def test_row_caches_and_logits_equal_hf_recompute_after_every_step(family):
     dropped = False
     for step in range(30):
         # Rows append different counts (a prefill chunk, a verify block, one token, or sit out).
-        logits = runner.forward_batch(caches, feed, [len(f) if f else 0 for f in feed])
+        logits = runner.forward(caches, feed, [len(f) if f else 0 for f in feed])
         for row, cache in enumerate(caches):
             sequence = committed[row] if step == 0 else committed[row] + feed[row]
             if not feed[row]:

@@ -25,28 +25,28 @@ def test_rewind_equals_recompute(runner):
     committed = [4, 8, 15, 16, 23]
     speculative = [42, 7, 7]
     cache = runner.new_cache()
-    runner.forward(cache, committed[:3])
-    runner.forward(cache, committed[3:] + speculative, num_logits=5)  # a verify step with rejects
+    runner.forward([cache], [committed[:3]], [1])
+    runner.forward([cache], [committed[3:] + speculative], [5])  # a verify step with rejects
     cache.rewind(len(committed))
     fresh = runner.new_cache()
-    runner.forward(fresh, committed)
+    runner.forward([fresh], [committed], [1])
     assert cache.token_ids == committed
     assert_caches_close(cache, fresh)
     # And the rewound cache continues exactly like a fresh one.
-    torch.testing.assert_close(runner.forward(cache, [1, 2], 2), runner.forward(fresh, [1, 2], 2),
+    torch.testing.assert_close(runner.forward([cache], [[1, 2]], [2])[0], runner.forward([fresh], [[1, 2]], [2])[0],
                                rtol=1e-5, atol=1e-5)
 
 
 def test_rewind_to_prefix_of_keeps_common_prefix(runner):
     cache = runner.new_cache()
-    runner.forward(cache, [1, 2, 3, 4, 5])
+    runner.forward([cache], [[1, 2, 3, 4, 5]], [1])
     assert cache.rewind_to_prefix_of([1, 2, 3, 9, 9, 9]) == 3
     assert cache.token_ids == [1, 2, 3] and all(layer.length == 3 for layer in cache.layers)
 
 
 def test_rewind_out_of_range_raises(runner):
     cache = runner.new_cache()
-    runner.forward(cache, [1, 2])
+    runner.forward([cache], [[1, 2]], [1])
     with pytest.raises(ValueError, match="cannot rewind"):
         cache.rewind(3)
 
@@ -67,7 +67,7 @@ def test_draft_catches_up_without_recompute(runner):
     proposal2 = proposer.propose(state, committed, 2, greedy)
     assert proposal2.num_catchup_tokens == 0  # only the new token is fed, with the first draft step
     fresh = runner.new_cache()
-    runner.forward(fresh, committed + proposal2.token_ids[:1])
+    runner.forward([fresh], [committed + proposal2.token_ids[:1]], [1])
     assert_caches_close(state, fresh)
 
 

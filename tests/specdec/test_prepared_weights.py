@@ -129,7 +129,7 @@ def test_the_draft_shares_the_targets_tokenizer_when_its_files_are_identical(tin
 
 
 def test_engine_records_and_announces_its_startup_stages(tiny_qwen2, tiny_qwen2_draft, private_cache, caplog):
-    caplog.set_level("INFO", logger="specdec.engine.startup")
+    caplog.set_level("INFO", logger="specdec.startup")
     started = time.perf_counter()
     engine = SpeculativeEngine.from_pretrained(str(tiny_qwen2), draft=str(tiny_qwen2_draft),
                                                draft_precision="int8-weight")
@@ -139,7 +139,7 @@ def test_engine_records_and_announces_its_startup_stages(tiny_qwen2, tiny_qwen2_
                                               "load target tokenizer", "prepare draft", "prepare target"]
     # Each stage's own duration: positive, within the whole load (stages overlap, so no sum).
     assert all(0 < s <= elapsed for s in engine.startup_seconds.values()), (engine.startup_seconds, elapsed)
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.engine.startup"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.startup"]
     assert sorted(line.split(" (")[0].split(":")[0] for line in lines) == sorted(engine.startup_seconds)
     assert lines[0] == f"load target ({tiny_qwen2}): {engine.startup_seconds['load target']:.1f}s"
     assert len(entries(private_cache)) == 1  # the prepared draft was cached on the way
@@ -156,5 +156,5 @@ def test_cli_prints_a_line_per_startup_stage(tiny_llama, tiny_llama_draft, priva
 
     err = run()
     for name in ("load target (", "load target tokenizer:", "load draft (", "prepare target (", "prepare draft ("):
-        assert f"[specdec.engine.startup] {name}" in err
-    assert "specdec.engine.startup" not in run("--log-level", "error")
+        assert f"[specdec.startup] {name}" in err
+    assert "specdec.startup" not in run("--log-level", "error")

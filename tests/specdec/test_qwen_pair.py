@@ -64,7 +64,7 @@ def test_tools_and_json_schema_on_the_real_pair(engines):
     from deployments.protocol import ChatCompletionRequest
     from deployments.tool_calls import parse
     from specdec.engine.request import GenerationRequest
-    from specdec.decoding.structured_output import Constraint
+    from specdec.constraint import Constraint
 
     spec, _ = engines
     messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]

@@ -20,7 +20,8 @@ import torch
 import specdec.engine.scheduler
 import specdec.decoding.verify
 from specdec import SamplingParams, SpeculativeEngine
-from specdec.decoding.structured_output import Constraint, ConstraintError, grammar_text
+from specdec.constraint import Constraint
+from specdec.decoding.structured_output import ConstraintError, grammar_text
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6},
                                            "ok": {"type": "boolean"}},
@@ -223,7 +224,7 @@ def test_an_added_non_special_token_is_masked_consistently(bpe_tokenizer):
     import copy
 
     from specdec.decoding import structured_output
-    from specdec.decoding.structured_output import Vocabulary
+    from specdec.constraint import Vocabulary
 
     tokenizer = copy.deepcopy(bpe_tokenizer)
     tokenizer.add_tokens(["<tool_call>"])  # special=False, as in Qwen2.5's tokenizer.json

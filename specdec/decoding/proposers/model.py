@@ -30,39 +30,9 @@ class DraftModelProposer:
     def new_state(self) -> KVCache:
         return self.runner.new_cache()
 
-    @torch.inference_mode()
-    def propose(
-        self,
-        state: KVCache,
-        context_token_ids: Sequence[int],
-        num_tokens: int,
-        sampling: SamplingParams,
-    ) -> Proposal:
-        cache = state
-        held = len(cache)
-        rewound = held - cache.rewind_to_prefix_of(context_token_ids)
-        if len(cache) == len(context_token_ids):
-            # The last committed token must be fed to get the next distribution.
-            cache.rewind(len(cache) - 1)
-        # Stay inside the draft's context (the target's may be longer).
-        num_tokens = min(num_tokens, self.runner.max_context - len(context_token_ids))
-        if num_tokens <= 0:
-            return Proposal([], rewound_tokens=rewound, cache_tokens=len(cache))
-        new_token_ids = list(context_token_ids[len(cache) :])
-        num_catchup = len(new_token_ids) - 1
-        token_ids: list[int] = []
-        rows: list[torch.Tensor] = []
-        for j in range(num_tokens):
-            logits = self.runner.forward(cache, new_token_ids, num_logits=1)  # [1, vocab]
-            token, probs = choose(logits, sampling, len(context_token_ids) + j, prefix=_prefix(
-                sampling, context_token_ids, token_ids))
-            if probs is not None:
-                rows.append(probs)
-            token_ids.append(token)
-            new_token_ids = [token]
-        probs = torch.stack(rows) if rows else None  # [num_tokens, vocab]
-        return Proposal(token_ids, probs, num_forwards=num_tokens, num_catchup_tokens=num_catchup,
-                        rewound_tokens=rewound, cache_tokens=len(cache))
+    def propose(self, state: KVCache, context_token_ids: Sequence[int], num_tokens: int,
+                sampling: SamplingParams) -> Proposal:
+        return self.propose_batch([state], [context_token_ids], [num_tokens], [sampling])[0]
 
     @torch.inference_mode()
     def propose_batch(
@@ -73,52 +43,36 @@ class DraftModelProposer:
         samplings: Sequence[SamplingParams],
         max_tokens: Sequence[int | None] | None = None,
     ) -> list[Proposal]:
-        """`propose` for many sequences at once: one batched draft forward per proposal position (rows
-        that need fewer tokens idle in the later ones). A row's random numbers depend on its seed and
-        positions only, so it draws exactly what it would draw alone."""
-        rows = []
+        """Propose for many sequences at once (a single one is a batch of one): one batched draft
+        forward per proposal position, rows that need fewer tokens sitting the later ones out. A row's
+        random numbers depend on its seed and positions only, so it draws exactly what it would draw
+        alone. `max_tokens` is for proposers whose matches cost no forward; a model ignores it."""
+        catchups, rewound, wanted = [], [], []
         for cache, context, num_tokens in zip(states, contexts, nums_tokens):
-            held = len(cache)
-            rewound = held - cache.rewind_to_prefix_of(context)
+            rewound.append(len(cache) - cache.rewind_to_prefix_of(context))
             if len(cache) == len(context):
-                cache.rewind(len(cache) - 1)
-            num_tokens = min(num_tokens, self.runner.max_context - len(context))
-            rows.append((rewound, max(0, num_tokens), list(context[len(cache):])))
-        active = [i for i, (_, n, _) in enumerate(rows) if n > 0]
-        proposals = [Proposal([], rewound_tokens=r, cache_tokens=len(c)) for (r, _, _), c in zip(rows, states)]
-        if len(active) <= 1 or not self.runner.can_batch([states[i] for i in active]):
-            for i in active:
-                p = self.propose(states[i], contexts[i], rows[i][1], samplings[i])
-                p.rewound_tokens += rows[i][0]
-                proposals[i] = p
-            return proposals
-        width = max(len(rows[i][2]) for i in active)
-        steps = max(rows[i][1] for i in active)
-        batch = self.runner.open_batch([states[i] for i in active], width + steps - 1)
-        feed = [rows[i][2] for i in active]
-        tokens: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
-        for step in range(steps):
-            logits = self.runner.forward_rows(batch, feed, [1] * len(active))
-            feed = []
-            for j, i in enumerate(active):
-                if logits[j] is None:
-                    feed.append([])
+                cache.rewind(len(cache) - 1)  # the last committed token is fed to get the next distribution
+            catchups.append(list(context[len(cache):]))  # [num_catchup + 1] what the draft has not seen
+            wanted.append(max(0, min(num_tokens, self.runner.max_context - len(context))))  # its own context
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        feed = [catchups[i] if wanted[i] else [] for i in range(len(states))]
+        for _ in range(max(wanted, default=0)):
+            logits = self.runner.forward(states, feed, [1] * len(states))
+            for i, row_logits in enumerate(logits):
+                if row_logits is None:
                     continue
-                token, p = choose(logits[j], samplings[i], len(contexts[i]) + len(tokens[j]),
-                                  prefix=_prefix(samplings[i], contexts[i], tokens[j]))
+                token, p = choose(row_logits, samplings[i], len(contexts[i]) + len(tokens[i]),
+                                  prefix=_prefix(samplings[i], contexts[i], tokens[i]))
                 if p is not None:
-                    probs[j].append(p)
-                tokens[j].append(token)
+                    probs[i].append(p)
+                tokens[i].append(token)
                 # The last proposed token is not fed: the cache holds the context + the first K-1.
-                feed.append([token] if len(tokens[j]) < rows[i][1] else [])
-        batch.write_back()
-        for j, i in enumerate(active):
-            rewound, num_tokens, new = rows[i]
-            proposals[i] = Proposal(tokens[j], torch.stack(probs[j]) if probs[j] else None, num_forwards=num_tokens,
-                                    num_catchup_tokens=len(new) - 1, rewound_tokens=rewound,
-                                    cache_tokens=len(states[i]))
-        return proposals
+                feed[i] = [token] if len(tokens[i]) < wanted[i] else []
+        return [Proposal(tokens[i], torch.stack(probs[i]) if probs[i] else None, num_forwards=wanted[i],
+                         num_catchup_tokens=len(catchups[i]) - 1 if wanted[i] else 0, rewound_tokens=rewound[i],
+                         cache_tokens=len(states[i]))
+                for i in range(len(states))]
 
     def rewind(self, state: KVCache, context_token_ids: Sequence[int]) -> None:
         state.rewind_to_prefix_of(context_token_ids)

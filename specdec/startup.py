@@ -1,7 +1,7 @@
 """Start-up stages, timed and announced: where the seconds before the first token go.
 
 Each stage of building an engine (load target, prepare target, load draft, prepare draft, warm-up)
-runs inside `stage(...)`, which logs one line when it ends on the `specdec.engine.startup` logger (the CLI
+runs inside `stage(...)`, which logs one line when it ends on the `specdec.startup` logger (the CLI
 shows it on stderr) and adds its seconds to the `recording()` open in this thread, if any: the
 engine keeps them as `SpeculativeEngine.startup_seconds`, a Ray target shard reports them, and
 `specdec serve` prints them with its ready line.
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-logger = logging.getLogger("specdec.engine.startup")
+logger = logging.getLogger("specdec.startup")
 _recordings: contextvars.ContextVar[tuple[dict[str, float], ...]] = contextvars.ContextVar("recordings", default=())
 
 

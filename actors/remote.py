@@ -1,0 +1,63 @@
+"""The core scheduler's target and draft seams (`specdec.engine.backends`) over Ray actors.
+
+They only move the scheduler's calls: a batched forward or rewind to every target shard of the
+supervised group (each call is submitted to every shard before any is awaited, so all shards run
+the same calls in the same order; rank 0 answers), a batched proposal to the separate draft worker
+or to the rank-0 shard that hosts a colocated draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+
+from actors.groups import TargetGroupSupervisor, TargetShardError
+from specdec.engine.backends import DraftCapabilities
+from specdec.engine.pools import DraftRow, TargetRow
+
+
+class RemoteTarget:
+    """The scheduler's target calls, sent to every shard of the supervised group (rank 0 answers)."""
+
+    def __init__(self, group: TargetGroupSupervisor) -> None:
+        self.group = group
+
+    def submit_forward(self, rows: Sequence[TargetRow]):
+        refs = [s.forward.remote(rows) for s in self.group.shards()]
+        return lambda: self.group.gather(refs)[0]
+
+    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[list[int]]:
+        per_shard = self.group.gather([s.rewind.remote(rows) for s in self.group.shards()])
+        per_row = [list(lengths) for lengths in zip(*per_shard)]
+        for (request_id, length), lengths in zip(rows, per_row):
+            if any(n != length for n in lengths):
+                self.group.drop(f"cache lengths {lengths} after rewinding {request_id} to {length}")
+                raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
+                                       f"length {length}; the shard group is rebuilt")
+        return per_row
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        if self.group.group is not None:
+            for s in self.group.group.shards:
+                s.release.remote(request_ids)
+
+
+class RemoteDraft:
+    """The scheduler's draft calls: the separate draft worker (`worker`), or the rank-0 shard that
+    hosts the draft (colocated: `worker` None)."""
+
+    def __init__(self, worker, group: TargetGroupSupervisor, pipeline: bool, per_token: bool) -> None:
+        self.worker, self.group = worker, group
+        self.capabilities = DraftCapabilities(
+            concurrent=worker is not None,  # its own process: pre-drafting overlaps the verify
+            pipeline=pipeline, per_token=per_token)
+
+    def submit_propose(self, rows: Sequence[DraftRow]):
+        actor = self.worker if self.worker is not None else self.group.shards()[0]
+        ref = actor.propose.remote(rows)
+        return lambda: ray.get(ref)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        if self.worker is not None:
+            self.worker.release.remote(request_ids)
