@@ -197,12 +197,22 @@ _ROLES = {"model replica (coordinator)": "ServeReplica:specdec:SpecdecModel",
 
 
 def _processes() -> dict[str, psutil.Process]:
+    """This service's processes: the Ray workers of this session's raylet (each worker's
+    RAY_RAYLET_PID), not every Ray worker on the machine (another test worker's cluster runs shards
+    and proxies too: their start-ups once looked like a leak here)."""
+    import ray
+
+    raylet = str(ray._private.worker.global_worker.node.all_processes["raylet"][0].process.pid)
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         title = " ".join(p.info["cmdline"] or [])
         for role, needle in _ROLES.items():
             if title.startswith("ray::") and needle in title:
-                found[f"{role} {p.pid}"] = p
+                try:
+                    if p.environ().get("RAY_RAYLET_PID") == raylet:
+                        found[f"{role} {p.pid}"] = p
+                except psutil.Error:
+                    pass
     return found
 
 
