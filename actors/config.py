@@ -98,6 +98,10 @@ class RayEngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError("tp", f"tp must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.engine.target_precision in ("int4", "int8-weight"):
+            raise ConfigError("target_precision", f"target_precision {self.engine.target_precision} does not shard "
+                                                  f"across tensor-parallel ranks yet (tp {self.tp}): use "
+                                                  "target_precision float32 (or auto) with tp > 1, or tp 1")
         on_gpu, threads = uses_cuda(self.engine.device), self.engine.num_threads or 1
         for role in ("draft_role", "target_role"):
             object.__setattr__(self, role, getattr(self, role).resolved(on_gpu, threads))

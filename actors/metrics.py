@@ -40,7 +40,8 @@ Labels: `model_name` (the served model name) and `replica` (the Serve replica; "
 Serve), plus Ray's own (`WorkerId`, `NodeAddress`, `SessionName`, ...): sum over Ray's labels.
 `finish_reason` is stop, length, error, cancelled or timeout; `role` is draft or target;
 `position` counts from 0. `specdec_engine_info` is an info metric (always 1) whose labels say how
-the engine runs: `linear_kernel` (the target's), `draft_precision` (the draft model's: "none" for
+the engine runs: `target_precision` (float32, int4 or int8-weight), `linear_kernel` (the target's
+float32 linears'), `draft_precision` (the draft model's: "none" for
 one run as loaded, "no draft" for n-gram lookup or target-only), `cpu` (the CPU model the target's
 kernel was measured on: its shard's node) and `isa` (its widest vector ISA: amx, avx512, avx2 or
 baseline).
@@ -117,10 +118,10 @@ METRICS = {spec.name: spec for spec in (
     _g("specdec_num_speculative_tokens", "K of the last verify step (the number of draft tokens asked for); 0 "
                                          "while no request runs."),
     _g("specdec_kv_cache_tokens", "Tokens held in the KV caches of the requests in flight.", "role"),
-    _g("specdec_engine_info", "How the engine runs (always 1): the target's linear kernel, the draft model's "
-                              "precision ('none': run as loaded; 'no draft': n-gram or target-only), the CPU "
-                              "model and its widest vector ISA.",
-       "linear_kernel", "draft_precision", "cpu", "isa"),
+    _g("specdec_engine_info", "How the engine runs (always 1): the target's precision and linear kernel, the "
+                              "draft model's precision ('none': run as loaded; 'no draft': n-gram or "
+                              "target-only), the CPU model and its widest vector ISA.",
+       "target_precision", "linear_kernel", "draft_precision", "cpu", "isa"),
     _h("specdec_time_to_first_token_seconds", "From a request's arrival at the engine to its first token.",
        _FIRST_TOKEN),
     _h("specdec_inter_token_latency_seconds", "Time between a request's steps, divided over the tokens the step "
@@ -192,7 +193,9 @@ class EngineMetrics:
         calibration = info.get("calibration") or {}
         kernel = calibration.get("linear_kernel") or {}
         cpu = cpu_info()
-        self._info = {"linear_kernel": str(kernel.get("choice") or info.get("linear_kernel")),
+        self._info = {"target_precision": str((calibration.get("target_precision") or {}).get("choice")
+                                              or info.get("target_precision") or "float32"),
+                      "linear_kernel": str(kernel.get("choice") or info.get("linear_kernel")),
                       "draft_precision": str((calibration.get("draft_precision") or {}).get("choice") or "no draft"),
                       # The CPU the target's kernel was measured on (its shard's node), else this node's.
                       "cpu": kernel.get("cpu") or cpu.model, "isa": kernel.get("isa") or cpu.isa}

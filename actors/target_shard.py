@@ -26,6 +26,7 @@ import torch
 from specdec import startup
 from specdec.config import EngineConfig
 from specdec.kernels.calibration import summarize
+from specdec.kernels.target_precision import precision_summary
 from specdec.engine.build import load_target
 from specdec.models.model_runner import ModelRunner
 from specdec.models.loading import select_device, set_threads
@@ -82,6 +83,7 @@ class TargetShard:
                                     timeout=timedelta(seconds=timeout_s))
         target = load_target(self.config, tensor_parallel=self.world_size > 1)
         loaded, self.linear_kernel, self.kernel_record = target.loaded, target.linear_kernel, target.kernel_record
+        self.target_precision = precision_summary(target.precision_record, target.precision, target.applied)
         self.forward_progress.watch(loaded.model)
         self.runner = ModelRunner(loaded)
         self.pool = TargetPool(self.runner)
@@ -104,11 +106,13 @@ class TargetShard:
             "dtype": str(loaded.dtype),
             "rank": self.rank,
             "linear_kernel": self.linear_kernel,
+            "target_precision": self.target_precision["choice"],
             "world_size": self.world_size,
             "draft": self.draft.ready() if self.draft is not None else None,
             # What load-time measurement chose (`specdec/kernels/calibration.py`): the kernel here, the
             # colocated draft's precision (a separate draft worker reports its own).
-            "calibration": {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
+            "calibration": {"target_precision": self.target_precision,
+                            "linear_kernel": summarize(self.kernel_record, self.linear_kernel),
                             "draft_precision": self.draft.calibration() if self.draft is not None else None},
             "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
         }

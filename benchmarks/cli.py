@@ -56,6 +56,9 @@ def register(subparsers, generate_parser) -> None:
     p.add_argument("--precisions", type=_name_list, default=(), metavar="P,P,...",
                    help="also run auto K with the draft fixed at each precision (none, bfloat16, int8, int8-weight) "
                         "[default: none of them; specdec-auto uses --draft-precision auto]")
+    p.add_argument("--target-precisions", type=_name_list, default=(), metavar="P,P,...",
+                   help="also run the target at each precision (int4, int8-weight): target-only and auto K, "
+                        "the auto row paired with its target-only row [default: float32 only]")
     p.add_argument("--draft-vocabs", type=_int_list, default=(), metavar="N,N,...",
                    help="also run the bfloat16 draft over the N most frequent tokens, for each N (FR-Spec)")
     p.add_argument("--prompt-lookup-mins", type=_int_list, default=(), metavar="N,N,...",
@@ -103,7 +106,8 @@ def bench_config_from_args(args: argparse.Namespace):
                        sampling=sampling, k_sweep=args.k_sweep, max_speculative_tokens=args.max_speculative_tokens,
                        hf=not args.no_hf, ray_tps=() if args.no_ray else args.ray_tp,
                        ray_placements=args.ray_placement, ngram=not args.no_ngram, num_threads=args.num_threads,
-                       chat=args.chat, precisions=args.precisions, draft_vocabs=args.draft_vocabs,
+                       chat=args.chat, precisions=args.precisions, target_precisions=args.target_precisions,
+                       draft_vocabs=args.draft_vocabs,
                        prompt_lookup_mins=args.prompt_lookup_mins, hopeless=args.hopeless,
                        sampling_modes=args.sampling_modes, hf_prompt_lookup=not args.no_prompt_lookup, out_dir=out)
 

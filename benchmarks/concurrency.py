@@ -162,7 +162,7 @@ def run(target_spec: str, draft_spec: str, prompt_ids: list[list[int]], sampling
     target, draft = load_model(target_spec), load_model(draft_spec)
     config = EngineConfig(target=target_spec, draft=draft_spec, num_speculative_tokens="auto",
                           max_speculative_tokens=max_speculative_tokens, num_threads=num_threads,
-                          max_batch_size=max(levels))
+                          max_batch_size=max(levels), target_precision="float32")  # HF's batches run these weights
     engine = SpeculativeEngine(config, target, draft)
     pad = (target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None
            else sorted(target.eos_token_ids)[0])

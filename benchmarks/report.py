@@ -108,7 +108,8 @@ def _calibration_line(meta: dict) -> str:
 def markdown(rows: list[dict], meta: dict) -> str:
     greedy = "identical_to_baseline" in (rows[0] if rows else {})
     head = ["method", "K", "tok/s (median)", "speedup", "acceptance", "α", "mean acc. len", "fwd/token", "c",
-            "theory", "efficiency"] + (["= baseline"] if greedy else []) + ["÷ paired run"]
+            "theory", "efficiency"] + (["= baseline"] if greedy else []) + ["÷ paired run"] \
+        + (["= paired run"] if greedy else [])
     lines = [f"# specdec bench: {meta['target']} (draft {meta['draft']})", "",
              f"{meta['num_prompts']} prompts ({meta['prompts']}), {meta['max_tokens']} new tokens, "
              f"{'greedy' if greedy else 'temperature ' + str(meta['temperature'])}, {meta['device']}, "
@@ -131,6 +132,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             same = r["identical_to_baseline"]
             cells.append("–" if same is None else f"{same}/{r['prompts']}")
         cells.append(_fmt(r.get("vs_in_process"), ".3f"))
+        if greedy:
+            same = r.get("identical_to_pair")
+            cells.append("–" if same is None else f"{same}/{r['prompts']}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -78,6 +78,9 @@ class BenchConfig:
     # The draft levers, each a row on the same prompts: fixed draft precisions, reduced draft
     # vocabularies (FR-Spec), prompt lookup in front of the draft, and a hopeless (random-init) draft.
     precisions: tuple[str, ...] = ()
+    # The target at other precisions (int4, int8-weight): target-only and auto-K rows on a copy of its
+    # own, each auto row paired with its own target-only row (speedup and token identity).
+    target_precisions: tuple[str, ...] = ()
     draft_vocabs: tuple[int, ...] = ()
     prompt_lookup_mins: tuple[int, ...] = ()
     hopeless: int = 0  # prompts for the random-init draft vs target-only phase (0: skip)
@@ -105,7 +108,14 @@ class BenchConfig:
             raise ValueError("--sampling-modes compares sampled runs: give --temperature > 0")
         bad = [p for p in self.precisions if p not in DRAFT_PRECISIONS or p == "auto"]
         if bad:
-            raise ValueError(f"--precisions: each is one of none, bfloat16, int8, int8-weight; got {','.join(bad)}")
+            raise ValueError(f"--precisions: each is one of none, float32, bfloat16, int8, int8-weight, int4; got "
+                             f"{','.join(bad)}")
+        from specdec.config import TARGET_PRECISIONS
+
+        bad = [p for p in self.target_precisions if p not in TARGET_PRECISIONS or p in ("auto", "float32")]
+        if bad:
+            raise ValueError(f"--target-precisions: each is one of int4, int8-weight (float32 is the default "
+                             f"rows); got {','.join(bad)}")
         if any(n < 1 for n in self.draft_vocabs) or any(n < 1 for n in self.prompt_lookup_mins) or self.hopeless < 0:
             raise ValueError("--draft-vocabs and --prompt-lookup-mins take integers >= 1, --hopeless one >= 0")
         if self.draft in ("none", "ngram"):
@@ -212,13 +222,17 @@ def _in_process_phases(config: BenchConfig,
     sampling = config.sampling
     prompt_ids = [check_prompt(tokenize_prompt(target.tokenizer, p.text, config.chat), sampling, target.vocab_size,
                                target.max_context) for p in config.prompts]
+    # float32: the rows HF's methods are compared with run the same weights (other precisions: their own rows)
     engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
-                                 max_speculative_tokens=config.max_speculative_tokens, num_threads=config.num_threads)
+                                 max_speculative_tokens=config.max_speculative_tokens, num_threads=config.num_threads,
+                                 target_precision="float32")
     results.engine["device"] = str(target.device)
     pair = ray_phase.Pair(engine_config)
     # Engines preparing their own copy of the draft: the defaults' (auto precision) and each lever's.
     copies = 1 + sum(p != "none" for p in config.precisions) + len(config.draft_vocabs)
-    reason = memory.shortfall(footprint.in_process(copies), available)
+    copies += len(config.target_precisions)  # each with a draft of its own precision
+    need = footprint.in_process(copies) + len(config.target_precisions) * footprint.target_linears // 4
+    reason = memory.shortfall(need, available)
     if reason:
         results.skip("in-process", reason)
         if config.hopeless:
@@ -226,7 +240,7 @@ def _in_process_phases(config: BenchConfig,
         return pair, footprint, prompt_ids
     spec = SpeculativeEngine(engine_config, target, draft)
     results.engine.update(_engine_meta(spec))
-    plain = SpeculativeEngine(EngineConfig(target=config.target, draft="none"), target)
+    plain = SpeculativeEngine(dataclasses.replace(engine_config, draft="none"), target)
     try:
         _attempt(config, results, "in-process",
                  lambda: _in_process_phase(config, engine_config, target, draft, spec, plain, prompt_ids, results))
@@ -274,12 +288,29 @@ def _in_process_phase(config: BenchConfig, engine_config: EngineConfig, target, 
     if config.ngram:
         own.append(Specdec("specdec-ngram", SpeculativeEngine(dataclasses.replace(engine_config, draft="ngram"),
                                                                target), "auto"))
+    for precision in config.target_precisions:
+        own += _precision_methods(config, engine_config, draft, precision, results)
     methods += own
     try:
         results.measure(methods, prompt_ids, config.sampling, "bench", config.warmup)
     finally:
         for method in own:  # their scheduler threads hold them (and their drafts) until shut down
             method.engine.shutdown()
+
+
+def _precision_methods(config: BenchConfig, engine_config: EngineConfig, draft, precision: str,
+                       results: Results) -> list:
+    """Target-only and auto-K rows of the target at `precision`, on a copy of the target loaded for
+    them (the HF methods run the float32 one); the auto row is paired with the target-only one."""
+    target = load_model(config.target)
+    at = dataclasses.replace(engine_config, target_precision=precision)
+    plain = Specdec(f"specdec-none ({precision} target)", SpeculativeEngine(
+        dataclasses.replace(at, draft="none"), target), None, group="target precision")
+    auto = Specdec(f"specdec-auto ({precision} target)", SpeculativeEngine(at, target, draft), "auto",
+                   group="target precision")
+    results.paired[auto.name] = plain.name
+    results.engine.setdefault("target_precisions", {})[precision] = auto.engine.calibration
+    return [plain, auto]
 
 
 def _lever_methods(config: BenchConfig, engine_config: EngineConfig, target, draft) -> list:
@@ -361,6 +392,8 @@ def _write(config: BenchConfig, results: Results, plots: bool = False) -> tuple[
             mine, theirs = results.runs[row["method"]], results.runs.get(pair, [])
             ratios = [a.tokens_per_second / b.tokens_per_second for a, b in zip(mine, theirs) if a and b]
             row["vs_in_process"] = sorted(ratios)[len(ratios) // 2] if ratios else None
+            if sampling.greedy:  # lossless against its own pair (an int4 target's speculation: its target-only)
+                row["identical_to_pair"] = sum(a.token_ids == b.token_ids for a, b in zip(mine, theirs) if a and b)
     engine = results.engine
     meta = {
         "target": config.target, "draft": config.draft, "prompts": config.prompts_source,

@@ -281,8 +281,9 @@ def _say_startup(phases: dict[str, float], base: str, api_key: str | None) -> No
             line += f", the target shard's stages: {summary(stages)}"
         calibration = card["specdec"].get("calibration") or {}
         if calibration:
-            line += (f"\n[specdec serve] target linear kernel {describe(calibration.get('linear_kernel'))}; draft "
-                     f"precision {describe(calibration.get('draft_precision'))}")
+            line += (f"\n[specdec serve] target precision {describe(calibration.get('target_precision'))}; target "
+                     f"linear kernel {describe(calibration.get('linear_kernel'))}; draft precision "
+                     f"{describe(calibration.get('draft_precision'))}")
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         pass  # the breakdown is a courtesy: never fail a started service over it
     _say(line)

@@ -50,7 +50,9 @@ def build_model_info(options: dict, *, max_context: int, device: str, dtype: str
     kernel, the time it took to start (`engine_startup_seconds`: actors started, models loaded and
     prepared; `startup_seconds`: the target's stages), the sampling defaults of fields a request
     omits, and what load-time measurement chose (`calibration`)."""
-    info = {**options, "max_context": max_context, "device": device, "dtype": dtype, "linear_kernel": linear_kernel}
+    precision = (calibration.get("target_precision") or {}).get("choice", "float32")
+    info = {**options, "max_context": max_context, "device": device, "dtype": dtype, "target_precision": precision,
+            "linear_kernel": linear_kernel}
     if engine_startup_seconds is not None:
         info["engine_startup_seconds"] = round(engine_startup_seconds, 2)
     return {**info, "sampling_defaults": sampling_defaults, "startup_seconds": startup_seconds,

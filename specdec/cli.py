@@ -199,7 +199,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         state, _ = model_cache.check(p.name)
         role = " (default target)" if p.name == DEFAULT_TARGET else " (default draft)" if p.name == DEFAULT_DRAFT else ""
         rows.append((p.name + role, p.parameters, p.quantization, f"{p.size_bytes / 1e9:.2f} GB", p.family,
-                     {"ok": "yes", "missing": "no"}.get(state, "DAMAGED: pull --force"), p.draft or "-"))
+                     {"ok": "yes", "missing": "no", "outdated": "yes (pulled again on use)"}.get(
+                         state, "DAMAGED: pull --force"), p.draft or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -191,10 +191,13 @@ class SamplingParams:
 
 
 #: What the draft model may run in (`kernels/draft_precision.py`); `auto` measures at load time.
-DRAFT_PRECISIONS = ("auto", "none", "float32", "bfloat16", "int8", "int8-weight")
+DRAFT_PRECISIONS = ("auto", "none", "float32", "bfloat16", "int8", "int8-weight", "int4")
 
 #: How the target's linear layers run (`kernels/linear.py`); `auto` measures at load time.
 LINEAR_KERNELS = ("auto", "torch", "onednn", "hybrid")
+
+#: What the target's weights run as (`kernels/target_precision.py`); `auto` measures at load time.
+TARGET_PRECISIONS = ("auto", "float32", "int4", "int8-weight")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -245,6 +248,13 @@ class EngineConfig:
              "cheap as one token (prepacking takes ~3 s for a 1.5B model); hybrid also uses MKL for 1-3 rows; "
              "torch is stock F.linear; auto = the fastest, measured on this CPU at the first load (CPU float32), "
              "cached; torch elsewhere")
+    target_precision: str = option(
+        "auto", choices=TARGET_PRECISIONS,
+        help="what the target's weights run as: float32 (the model as loaded; the exact reference against HF), "
+             "int4 (a GGUF file's own 4-bit codes, groups of 32; its Q6_K/Q8_0 tensors int8 weight-only; a float "
+             "checkpoint rounded to nearest), int8-weight (per output channel); auto = for a model with 4-bit "
+             "codes (the presets, a .gguf file) the faster of int4 and float32, measured on this CPU at the first "
+             "load and cached; float32 for a float checkpoint. Speculation is exact at every precision")
     draft_precision: str = option(
         "auto", choices=DRAFT_PRECISIONS,
         help="precision of the draft model (lossless: it only proposes): none (as loaded), float32 (oneDNN "
@@ -293,6 +303,7 @@ class EngineConfig:
         _check_int("num_threads", self.num_threads, 1, none_ok=True)
         _check_choice("linear_kernel", self.linear_kernel, LINEAR_KERNELS)
         _check_choice("draft_precision", self.draft_precision, DRAFT_PRECISIONS)
+        _check_choice("target_precision", self.target_precision, TARGET_PRECISIONS)
         _check_int("max_batch_size", self.max_batch_size, 1)
         _check_int("max_batch_tokens", self.max_batch_tokens, 1)
         if self.max_batch_tokens < self.max_batch_size:

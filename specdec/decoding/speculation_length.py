@@ -299,9 +299,21 @@ class AutoK:
         known = {k: r for k, r in rates.items() if r is not None}
         return max(known, key=lambda k: (known[k], -k))
 
+    def _explore(self, best: int, other_tokens: int) -> int:
+        """Learn the verify curve once: while drafting alone, each K whose verify size the engine has
+        never timed is tried (the nearest to the best first), so measured costs replace guesses.
+        Straight lines between measured sizes misjudge kernels that work in blocks of rows (int4:
+        4 rows a block, so 4 tokens cost little more than 1 and 5 twice that). The costs are the
+        engine's, so this happens in its first requests only; greedy and invariant text never
+        depend on K."""
+        if best == 0 or other_tokens:
+            return best
+        untimed = [k for k in range(1, self.speculative_tokens_limit + 1) if not self.costs.samples.get(k + 1)]
+        return min(untimed, key=lambda k: (abs(k - best), k)) if untimed else best
+
     def next_k(self, load: BatchLoad = BatchLoad()) -> int:
         """K for the next step (alone, or in a batch: see `rate`)."""
-        k = self.best_k(load.other_tokens, load.other_expected, load.rows)
+        k = self._explore(self.best_k(load.other_tokens, load.other_expected, load.rows), load.other_tokens)
         if k > 0:
             self.probe_interval = self.min_probe_interval
             self.steps_without_draft = 0

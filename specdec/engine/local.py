@@ -37,6 +37,7 @@ from specdec.engine.build import Target, load_draft, load_target, prepare_loaded
 from specdec.engine.draft import Draft, build_draft
 from specdec.kernels.calibration import runtime_check, summarize
 from specdec.kernels.linear import VERIFY_TOKENS
+from specdec.kernels.target_precision import precision_summary
 from specdec.models.model_runner import ModelRunner
 from specdec.models.loading import LoadedModel, set_threads
 from specdec.engine.pools import DraftPool, TargetPool
@@ -69,6 +70,8 @@ class SpeculativeEngine(Engine):
         if not isinstance(target, Target):
             target = prepare_loaded_target(config, target)
         self.linear_kernel, self.kernel_record = target.linear_kernel, target.kernel_record
+        self.target_precision, self.precision_record = target.precision, target.precision_record
+        self.precision_applied = target.applied
         target = target.loaded
         self.target_model = target
         self.tokenizer = target.tokenizer
@@ -99,7 +102,9 @@ class SpeculativeEngine(Engine):
     @property
     def calibration(self) -> dict:
         """What the load-time measurements chose and from what (`calibration.Record.summary`)."""
-        return {"linear_kernel": summarize(self.kernel_record, self.linear_kernel),
+        return {"target_precision": precision_summary(self.precision_record, self.target_precision,
+                                                      self.precision_applied),
+                "linear_kernel": summarize(self.kernel_record, self.linear_kernel),
                 "draft_precision": summarize(self.draft_record, self.draft_precision),
                 "contradicted": dict(self.calibration_check.contradicted)}
 

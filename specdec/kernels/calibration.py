@@ -195,6 +195,29 @@ def calibrate(timers: dict[str, Callable[[], float]], check: Callable[[dict[str,
     return {name: min(times) for name, times in samples.items()}, conditions
 
 
+def fastest(candidates, sizes) -> Callable[[dict[str, float]], str]:
+    """The rule the kernel choices use (figures: "candidate/size" -> seconds): the candidate with the
+    smallest sum over `sizes`, the earlier one on a tie within 2%."""
+    def choose(figures: dict[str, float]) -> str:
+        scores = {c: sum(figures[f"{c}/{n}"] for n in sizes) for c in candidates}
+        best = min(scores.values())
+        return next(c for c in candidates if scores[c] <= 1.02 * best)
+    return choose
+
+
+def by_size(minima: dict[str, float], candidates, sizes, name: str, seconds: str) -> list[dict]:
+    """Each candidate's figures as a record's measurements: {name: c, "<seconds>_<n>": ..., verify_ratio}."""
+    return [{name: c, **{f"{seconds}_{n}": minima[f"{c}/{n}"] for n in sizes},
+             "verify_ratio": minima[f"{c}/{sizes[-1]}"] / minima[f"{c}/1"]} for c in candidates]
+
+
+def log_sizes(what: str, conditions: Conditions, measurements: list[dict], name: str, seconds: str,
+              sizes, unit: str) -> None:
+    logger.info("%s measured (%s): %s", what, conditions.describe(),
+                "; ".join(f"{m[name]} " + ", ".join(f"{n} {unit} {1000 * m[f'{seconds}_{n}']:.2f} ms" for n in sizes)
+                          for m in measurements))
+
+
 # ------------------------------------------------------------------------------------------ records
 
 def calibration_dir() -> Path:

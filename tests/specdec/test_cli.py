@@ -116,7 +116,7 @@ def test_bad_k_syntax_exits_2(tiny_llama, capsys):
     assert "expected an integer >= 1 or 'auto'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--prompt-lookup-min", "-1"], ["--draft-precision", "int4"],
+@pytest.mark.parametrize("args", [["--prompt-lookup-min", "-1"], ["--draft-precision", "int3"],
                                   ["--draft-vocab-size", "x"]])
 def test_bad_draft_lever_syntax_exits_2(tiny_llama, capsys, args):
     assert _exit_code(["generate", "--target", str(tiny_llama), *args, "w1"]) == 2

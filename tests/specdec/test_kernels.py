@@ -58,4 +58,6 @@ def test_bad_kernel_options():
     with pytest.raises(ValueError, match="linear_kernel must be one of"):
         EngineConfig(target="x", linear_kernel="fast")
     with pytest.raises(ValueError, match="draft_precision must be one of"):
-        EngineConfig(target="x", draft_precision="int4")
+        EngineConfig(target="x", draft_precision="int3")
+    with pytest.raises(ValueError, match="target_precision must be one of"):
+        EngineConfig(target="x", target_precision="int3")

@@ -196,3 +196,16 @@ def test_subtle_bugs_are_detected(small_vocab_pair, monkeypatch, bug, draft, k, 
     if pipeline:
         assert hits > NUM_SAMPLES // 5
     assert pvalue < 1e-6
+
+
+@pytest.mark.parametrize("params, k, first, max_tokens", [
+    pytest.param(T1, 2, 0, 3, id="residual-K2"),
+    pytest.param(T1_INVARIANT, 3, 2, 4, id="invariant-K3-tokens2,3"),
+])
+def test_int4_target_and_draft_sample_the_int4_target(small_vocab_pair, params, k, first, max_tokens):
+    """At int4 the target is its int4 modules (the exact distribution is computed from them): a
+    rounded-to-nearest int4 target and draft keep it, residual and invariant."""
+    pvalue, acceptance_rate, _ = run(small_vocab_pair, "model", k, params, first, max_tokens,
+                                     target_precision="int4", draft_precision="int4")
+    assert_exercises_both_paths(acceptance_rate)
+    assert pvalue > 1e-3

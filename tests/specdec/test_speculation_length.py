@@ -115,7 +115,7 @@ def test_expensive_verify_prefers_short_proposals():
     for policy in (cheap, costly):
         for _ in range(20):
             policy.observe(4, 3)
-    assert costly.next_k() < cheap.next_k()
+    assert costly.best_k() < cheap.best_k()
 
 
 def test_engine_with_unrelated_draft_falls_back(tiny_llama, tiny_llama_unrelated):
@@ -126,3 +126,28 @@ def test_engine_with_unrelated_draft_falls_back(tiny_llama, tiny_llama_unrelated
     history = out.k_history
     assert history[:2] == [0, 0]  # measures plain decoding first (the first timing is a warm-up)
     assert sum(1 for k in history[len(history) // 2:] if k == 0) >= 0.8 * (len(history) - len(history) // 2)
+
+
+def test_auto_k_learns_a_staircase_verify_curve():
+    """The int4 kernel works in blocks of 4 rows: a 4-token verify costs little more than 1, a 5-token
+    one twice that. Measured at 1 and 5 tokens only, a straight line overprices K=3 and auto-K picks
+    a deeper K; trying the verify sizes whose estimates come close, it settles on K=3."""
+    def cost(n: int) -> float:
+        return 1.0 + (0.05 if n > 1 else 0.0) + (1.0 if n > 4 else 0.0) + 0.05 * max(0, n - 5)
+
+    costs = CostModel()
+    for _ in range(1 + BASELINE_SAMPLES):
+        for n in (1, 5):
+            costs.observe_target(n, cost(n))
+        costs.observe_draft(1, 0.05)
+    policy = AutoK(costs, speculative_tokens_limit=8)
+    policy.accepted, policy.reached = [9.0] * 8, [10.0] * 8  # acceptance 0.9 at every position
+    assert policy.best_k() > 3  # the control: what the straight line alone chooses
+    chosen = []
+    for _ in range(24):
+        k = policy.next_k()
+        chosen.append(k)
+        costs.observe_target(k + 1, cost(k + 1))
+        costs.observe_draft(1, 0.05)
+    assert chosen[-3:] == [3, 3, 3], chosen
+    assert set(chosen) | {4} == set(range(1, 9))  # every untimed verify size tried, then settled (5 was timed)
