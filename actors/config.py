@@ -68,17 +68,21 @@ class RayEngineConfig:
     """`draft_placement`: "separate" runs the draft in its own actor, placed by `draft_role`'s resources
     (a small GPU, another node) and able to pre-draft while the target verifies (`pipeline`);
     "colocated" runs it inside the rank-0 target shard's process, on the shard's threads and device
-    (no pipelining: one process does one thing at a time). "auto" colocates when neither role asks
-    for a GPU, an accelerator type or custom resources, i.e. when both would share one node's CPU
-    cores anyway: two processes there only contend for the cores (measured on a 2-core box: each
-    forward ~8% slower, and draft calls pay a Ray round trip)."""
+    (no pipelining: one process does one thing at a time). "auto" is separate when a role asks for
+    GPUs, an accelerator type or custom resources (they are placed as named); on CPUs it colocates,
+    since both would share one node's cores anyway and two processes only contend for them
+    (measured on a 2-core box: each forward ~8% slower, and draft calls pay a Ray round trip); on
+    GPUs with the defaults it is decided against the cluster (`actors.placement.resolve`): a draft
+    GPU of its own where a node has one more GPU than the shards take, else colocated on rank 0's
+    GPU, so one GPU serves tp 1 with a draft model."""
 
     engine: EngineConfig
     tp: int = option(1, metavar="N", help="tensor-parallel target shards (per replica)")
     draft_placement: str = option("auto", choices=DRAFT_PLACEMENTS,
                                   help="the draft inside the rank-0 target shard (colocated) or in its own actor "
-                                       "(separate); auto colocates on CPU-only nodes, where both would share the "
-                                       "cores")
+                                       "(separate); auto: separate when a role names GPUs or resources; on CPUs "
+                                       "colocated (both would share the cores); on GPUs separate when a node has a "
+                                       "GPU more than the shards take, else colocated on rank 0's GPU")
     pipeline: bool = option(True, help="pre-draft the next block while the target verifies (a separate draft "
                                        "only)")
     draft_role: RolePlacement = option(default_factory=RolePlacement, cli=False,
@@ -94,6 +98,9 @@ class RayEngineConfig:
     # a 512-token prefill chunk on one thread of a busy 2-core CPU (its forward: 12 s), so 120 s is
     # 200x that: room for a much slower CPU or a first kernel build, yet a wedge fails in 2 minutes.
     health_stall_s: float = 120.0
+    # On GPUs with no role naming its resources, where the draft goes depends on the nodes' GPUs:
+    # `actors.placement.resolve` decides it against the cluster (until then: colocated, which fits one GPU).
+    gpu_defaults: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
@@ -103,6 +110,7 @@ class RayEngineConfig:
                                                   f"across tensor-parallel ranks yet (tp {self.tp}): use "
                                                   "target_precision float32 (or auto) with tp > 1, or tp 1")
         on_gpu, threads = uses_cuda(self.engine.device), self.engine.num_threads or 1
+        named = self._heterogeneous()  # before the defaults fill the roles in: what the user asked for
         for role in ("draft_role", "target_role"):
             object.__setattr__(self, role, getattr(self, role).resolved(on_gpu, threads))
         if not self.health_stall_s > 0:
@@ -111,11 +119,13 @@ class RayEngineConfig:
             raise ConfigError("draft_placement", f"draft_placement must be one of "
                                                  f"{', '.join(DRAFT_PLACEMENTS)}; got {self.draft_placement!r}")
         if self.draft_placement == "auto":
-            object.__setattr__(self, "draft_placement", "separate" if self._heterogeneous() else "colocated")
-        if self.pipeline and (self.engine.draft == "none" or self.colocated):
+            object.__setattr__(self, "draft_placement", "separate" if named else "colocated")
+            object.__setattr__(self, "gpu_defaults", on_gpu and not named and self.engine.draft != "none")
+        if self.pipeline and (self.engine.draft == "none" or self.colocated) and not self.gpu_defaults:
             object.__setattr__(self, "pipeline", False)  # nothing to pipeline / no second process to do it
 
     def _heterogeneous(self) -> bool:
+        """A role names GPUs, an accelerator type or a custom resource: the roles are placed as named."""
         return any(role.num_gpus or role.accelerator_type or role.resources
                    for role in (self.draft_role, self.target_role))
 

@@ -103,6 +103,11 @@ class Coordinator:
 
         quiet_libraries()
         self._gauges = asyncio.create_task(self._refresh_gauges())
+        if self.config.gpu_defaults:  # where the draft goes depends on the nodes' GPUs
+            from actors.placement import cluster_nodes, resolve
+
+            self.config = resolve(self.config, cluster_nodes())
+            self.shard_group = TargetGroupSupervisor(self.config)
         engine = self.config.engine
         self.tokenizer = load_tokenizer(engine.target, engine.trust_remote_code)
         if engine.draft not in NON_MODEL_DRAFTS:
@@ -146,10 +151,28 @@ class Coordinator:
         draft = RemoteDraft(self.draft, self.shard_group, pipeline=self.config.pipeline,
                             per_token=engine.draft != "ngram") if self.has_draft else None
         self.scheduler = Scheduler(engine, RemoteTarget(self.shard_group), draft, self.prompts, costs=self.costs,
-                                   on_fatal=self._on_fatal)
+                                   on_fatal=self._on_fatal, budget=await self._budget())
         self._thread = threading.Thread(target=self._drive, name="specdec-scheduler", daemon=True)
         self._thread.start()
         return self.info
+
+    async def _budget(self):
+        """The replica's KV budget (`kv_cache_memory`, a fraction of the memory available once the
+        actors have loaded) over the whole target's and the draft's cost per token. On GPUs each of the
+        tp shards holds 1/tp of the KV, so the fullest GPU bounds it; on CPUs the shards share the host."""
+        from specdec.engine.budget import KVBudget, budget_bytes
+
+        free = self.info.get("available_memory") or [None]
+        available = None if None in free else min(free)
+        if available is not None and str(self.info.get("device", "")).startswith("cuda"):
+            available *= len(free)
+        total = budget_bytes(self.config.engine.kv_cache_memory, available)
+        if total is None:
+            return None
+        draft = self.info.get("draft_kv_layout")
+        if self.draft is not None:
+            draft = await self.draft.kv_layout.remote()
+        return KVBudget(total, self.info["kv_layout"], draft)
 
     @property
     def has_draft(self) -> bool:
@@ -169,6 +192,8 @@ class Coordinator:
         while True:
             await asyncio.sleep(GAUGE_REFRESH_S)
             try:
+                if self.scheduler is not None:
+                    self.metrics.kv(self.scheduler.kv_usage, self.scheduler.prefix_evictions)
                 self.metrics.refresh()
             except Exception:  # noqa: BLE001 - keep refreshing: a stopped task would blank the gauges
                 logger.exception("re-setting the metrics' gauges failed")
@@ -334,8 +359,8 @@ class _OnLoop:
     def started(self) -> None:
         self.loop.call_soon_threadsafe(self.record.started)
 
-    def prefilled(self, num_prompt_tokens: int, num_computed_tokens: int) -> None:
-        self.loop.call_soon_threadsafe(self.record.prefilled, num_prompt_tokens, num_computed_tokens)
+    def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.loop.call_soon_threadsafe(self.record.prefilled, num_prompt_tokens, num_cached_tokens)
 
     def step(self, info: StepInfo) -> None:
         self.loop.call_soon_threadsafe(self.record.step, info)

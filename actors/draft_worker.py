@@ -40,7 +40,19 @@ class DraftWorker:
         proposer, device = built.proposer, built.device
         if built.model is not None:
             self.forward_progress.watch(built.model.model)
-        self.pool = DraftPool(proposer, device)
+        self.pool = DraftPool(proposer, device, config.prefix_caching)
+        self.model = built.model
+
+    def kv_layout(self):
+        """What a token costs the draft's KV cache (`specdec.models.kv_cache.KVLayout`; None: n-gram)."""
+        from specdec.models.kv_cache import KVLayout
+
+        if self.model is None:
+            return None
+        return KVLayout.of(self.model.model.config, self.model.dtype, self.config.max_batch_tokens)
+
+    def fit(self, room: int):
+        return self.pool.fit(room)
 
     def ready(self) -> str:
         return self.pool.name
@@ -50,7 +62,7 @@ class DraftWorker:
         None for n-gram lookup (no model)."""
         return summarize(self.record, self.precision) if self.config.draft != "ngram" else None
 
-    def propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
+    def propose(self, rows: Sequence[DraftRow]) -> list:
         """Each proposal carries the seconds the batch took here, so the caller can tell drafting time
         from the call's round trip (auto-K weighs them differently: one is paid per token, one per step)."""
         start = time.perf_counter()
@@ -58,7 +70,8 @@ class DraftWorker:
             proposals = self.pool.propose(rows)
         seconds = time.perf_counter() - start
         for p in proposals:
-            p.seconds = seconds
+            if isinstance(p, Proposal):  # not a row's error (`RowError`)
+                p.seconds = seconds
         return proposals
 
     def release(self, request_ids: Sequence[str]) -> None:

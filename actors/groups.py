@@ -26,6 +26,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import RayEngineConfig, RolePlacement
+from actors.placement import cluster_nodes, describe_bundles, shard_bundles, shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -119,34 +120,19 @@ async def _reserve(bundles: list[dict], what: str, timeout_s: float):
         await asyncio.wait_for(pg.ready(), timeout=timeout_s)
     except asyncio.TimeoutError:
         remove_placement_group(pg)
-        raise RuntimeError(f"cannot place {what} ({_describe(bundles)}) on one node within {timeout_s:.0f}s: "
+        raise RuntimeError(f"cannot place {what} ({describe_bundles(bundles)}) on one node within {timeout_s:.0f}s: "
                            f"{_shortfall(bundles)}") from None
     return pg
 
 
-def _total(bundles: list[dict]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
-
-
-def _describe(bundles: list[dict]) -> str:
-    return ", ".join(f"{v:g} {k}" for k, v in _total(bundles).items() if v)
-
-
 def _shortfall(bundles: list[dict]) -> str:
     """Why no node holds the bundles: the resources no alive node has enough of, or busy nodes."""
-    need = _total(bundles)
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    missing = [key for key, value in need.items() if value and not any(node.get(key, 0.0) >= value for node in nodes)]
-    if missing:
-        offered = {key: max((node.get(key, 0.0) for node in nodes), default=0.0) for key in missing}
-        return ("no node of the cluster offers " + ", ".join(f"{need[k]:g} {k} (most on one node: {offered[k]:g})"
-                                                             for k in missing)
-                + "; start nodes with these resources (`ray start --resources`, or a node type of cluster.yaml) or "
-                  "change the role's resources")
+    nodes = cluster_nodes(available=False)
+    short = shortfall({n.name: n.resources for n in nodes}, bundles)
+    if short.startswith("no node has"):
+        return (short.replace(" free (most", " (most").replace("no node has", "no node of the cluster offers", 1)
+                + "; start nodes with these resources (`ray start --resources`, or a node type of cluster.yaml) "
+                  "or change the role's resources")
     return f"nodes offer these resources but they are in use; free now: {ray.available_resources()}"
 
 
@@ -161,10 +147,7 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
     """tp shard actors in one STRICT_PACK placement group, joined into one process group."""
     from actors.target_shard import TargetShard
 
-    bundle = config.target_role.bundle()
-    bundles = [dict(bundle) for _ in range(config.tp)]
-    if config.colocated:  # rank 0 also runs the draft
-        bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + config.draft_role.num_cpus
+    bundles = shard_bundles(config)  # rank 0 also holds a colocated draft's CPUs
     pg = await _reserve(bundles, f"{config.tp} target shard(s)", config.placement_timeout_s)
     shards = []
     for rank in range(config.tp):
@@ -183,7 +166,8 @@ async def create_target_group(config: RayEngineConfig) -> TargetGroup:
     except BaseException:
         kill_target_group(TargetGroup(shards, pg, {}))
         raise
-    return TargetGroup(shards, pg, infos[0])
+    # Rank 0 speaks for the group, but KV memory is each shard's: the coordinator's budget needs all.
+    return TargetGroup(shards, pg, {**infos[0], "available_memory": [i.get("available_memory") for i in infos]})
 
 
 def kill_target_group(group: TargetGroup | None) -> None:

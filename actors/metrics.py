@@ -112,6 +112,13 @@ METRICS = {spec.name: spec for spec in (
     _c("specdec_pipeline_hits", "Pre-drafted blocks used as the next proposal (pipelined separate draft)."),
     _c("specdec_pipeline_misses", "Pre-drafted blocks thrown away (a rejection, or the bonus token differed)."),
     _c("specdec_draft_failures", "Draft calls that failed; the request went on target-only."),
+    _c("specdec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."),
+    _c("specdec_prefix_cache_hits", "Prompt tokens the prefix cache served: their KV copied, not computed (vLLM's "
+                                    "prefix_cache_hits)."),
+    _c("specdec_prefix_cache_evictions", "Cached prefixes evicted (least recently used first) to make room in "
+                                         "the KV budget."),
+    _g("specdec_kv_cache_usage", "The KV budget in use (0-1): the running requests' reservations plus the cached "
+                                 "prefixes, over kv_cache_memory."),
     _g("specdec_requests_running", "Requests generating in this engine."),
     _g("specdec_requests_waiting", "Requests admitted by this engine and waiting for its target shards (start-up "
                                    "or a rebuild of the shard group)."),
@@ -181,6 +188,8 @@ class EngineMetrics:
         self._waiting = 0
         self._running: dict[str, list[int]] = {}  # request id -> [target, draft] KV-cache tokens
         self._k = 0  # K of the last verify step
+        self._kv_usage = 0.0  # the KV budget in use (`kv`)
+        self._evictions = 0  # cached prefixes evicted so far (the scheduler's count)
         self._info: dict[str, str] | None = None  # specdec_engine_info's labels, once the engine runs
         self._zero_counters(speculative_tokens_limit)
         self._set_gauges()
@@ -206,6 +215,14 @@ class EngineMetrics:
         few report intervals (the module docstring says why), so the coordinator calls this every
         `GAUGE_REFRESH_S`, busy or idle."""
         self._set_gauges()
+
+    def kv(self, usage: float | None, evictions: int) -> None:
+        """The KV budget in use and the prefix cache's evictions so far (the scheduler's figures)."""
+        self._kv_usage = usage or 0.0
+        if evictions > self._evictions:
+            self.inc("specdec_prefix_cache_evictions", evictions - self._evictions)
+            self._evictions = evictions
+        self.set("specdec_kv_cache_usage", self._kv_usage)
 
     def _zero_counters(self, speculative_tokens_limit: int) -> None:
         """Export every counter series from the start, at 0: `rate()` cannot see the first increase of
@@ -242,6 +259,7 @@ class EngineMetrics:
         self.set("specdec_num_speculative_tokens", self._k if self._running else 0)
         for i, role in enumerate(("target", "draft")):
             self.set("specdec_kv_cache_tokens", sum(held[i] for held in self._running.values()), role=role)
+        self.set("specdec_kv_cache_usage", self._kv_usage)
         if self._info is not None:
             self.set("specdec_engine_info", 1, **self._info)
 
@@ -274,9 +292,11 @@ class RequestMetrics:
         self.state = "running"
         engine._set_gauges()
 
-    def prefilled(self, num_prompt_tokens: int, target_cache_tokens: int) -> None:
+    def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.engine.inc("specdec_prompt_tokens", num_prompt_tokens)
-        self._hold(target=target_cache_tokens)
+        self.engine.inc("specdec_prefix_cache_queries", num_prompt_tokens)
+        self.engine.inc("specdec_prefix_cache_hits", num_cached_tokens)
+        self._hold(target=num_prompt_tokens - 1)  # the prefill holds all but the last prompt token
 
     def step(self, step) -> None:
         """One verify step committed: the core's `specdec.engine.step.StepInfo` for this request (the core's stats

@@ -14,7 +14,7 @@ import ray
 
 from actors.groups import TargetGroupSupervisor, TargetShardError
 from specdec.engine.backends import DraftCapabilities
-from specdec.engine.pools import DraftRow, TargetRow
+from specdec.engine.pools import AdmitRow, DraftRow, PrefixUsage, TargetRow
 
 
 class RemoteTarget:
@@ -22,6 +22,21 @@ class RemoteTarget:
 
     def __init__(self, group: TargetGroupSupervisor) -> None:
         self.group = group
+
+    def admit(self, rows: Sequence[AdmitRow]) -> list[int]:
+        """Every shard makes the same caches (same history, same lookups); they must agree."""
+        per_shard = self.group.gather([s.admit.remote(rows) for s in self.group.shards()])
+        if any(lengths != per_shard[0] for lengths in per_shard):
+            self.group.drop(f"prefix cache hits differ between shards: {per_shard}")
+            raise TargetShardError(f"target shards disagree on cached prefixes ({per_shard}); the shard group is "
+                                   "rebuilt")
+        return per_shard[0]
+
+    def fit(self, room: int) -> PrefixUsage:
+        """Each shard holds its heads' share of every entry: `room` is split evenly."""
+        shards = self.group.shards()
+        usages = self.group.gather([s.fit.remote(room // len(shards)) for s in shards])
+        return PrefixUsage(sum(u.bytes for u in usages), usages[0].evictions)
 
     def submit_forward(self, rows: Sequence[TargetRow]):
         refs = [s.forward.remote(rows) for s in self.group.shards()]
@@ -52,6 +67,11 @@ class RemoteDraft:
         self.capabilities = DraftCapabilities(
             concurrent=worker is not None,  # its own process: pre-drafting overlaps the verify
             pipeline=pipeline, per_token=per_token)
+
+    def fit(self, room: int) -> PrefixUsage:
+        if self.worker is not None:
+            return ray.get(self.worker.fit.remote(room))
+        return ray.get(self.group.shards()[0].fit_draft.remote(room))
 
     def submit_propose(self, rows: Sequence[DraftRow]):
         actor = self.worker if self.worker is not None else self.group.shards()[0]

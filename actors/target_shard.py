@@ -27,7 +27,9 @@ from specdec import startup
 from specdec.config import EngineConfig
 from specdec.kernels.calibration import summarize
 from specdec.kernels.target_precision import precision_summary
+from specdec.engine.budget import available_memory
 from specdec.engine.build import load_target
+from specdec.models.kv_cache import KVLayout
 from specdec.models.model_runner import ModelRunner
 from specdec.models.loading import select_device, set_threads
 from specdec.engine.pools import TargetPool, TargetRow
@@ -115,6 +117,10 @@ class TargetShard:
                             "linear_kernel": summarize(self.kernel_record, self.linear_kernel),
                             "draft_precision": self.draft.calibration() if self.draft is not None else None},
             "startup_seconds": dict(self.startup_seconds),  # stage -> seconds (`specdec/startup.py`)
+            # What a token costs the whole model's KV (every rank's heads), and the colocated draft's.
+            "kv_layout": KVLayout.of(loaded.model.config, loaded.dtype, self.config.max_batch_tokens),
+            "draft_kv_layout": self.draft.kv_layout() if self.draft is not None else None,
+            "available_memory": available_memory(self.runner.device),  # for KV, once loaded
         }
 
     # ------------------------------------------------------------------------------ serving
@@ -125,6 +131,19 @@ class TargetShard:
         with self.forward_progress.running("forward"):
             results = self.pool.forward(rows)
         return results if self.rank == 0 else None
+
+    def admit(self, rows):
+        """Make the entering requests' caches from their longest cached prefixes (this rank's heads);
+        per row the tokens held."""
+        return self.pool.admit(rows)
+
+    def fit(self, room: int):
+        """Evict this rank's cached prefixes down to `room` bytes."""
+        return self.pool.fit(room)
+
+    def fit_draft(self, room: int):
+        """Evict the colocated draft's cached prefixes down to `room` bytes."""
+        return self.draft.fit(room)
 
     def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:
         """Rewind each (request id, length); this shard's cache length of each after it."""

@@ -53,6 +53,14 @@ def register(subparsers, generate_parser) -> None:
                    help="instead: throughput under N concurrent closed-loop clients for each N (batched and "
                         "unbatched specdec, the Ray engine, HF generate() on static batches of N); "
                         "writes bench-concurrency.json/.md and throughput_vs_concurrency.png")
+    p.add_argument("--conversations", type=_name_list, default=None, metavar="W,W,...",
+                   help="instead: multi-turn workloads (chat: a shared system prompt and four turns; agent: tool "
+                        "definitions and four tool-result steps; misses: single prompts that never hit), each turn "
+                        "on an engine with prefix caching and one without, interleaved; time to first token per "
+                        "turn; writes bench-conversations.json/.md and ttft_per_turn.png")
+    p.add_argument("--num-conversations", type=int, default=3, metavar="N",
+                   help="conversations per --conversations workload (their first turns come from the prompts) "
+                        "[default: 3]")
     p.add_argument("--precisions", type=_name_list, default=(), metavar="P,P,...",
                    help="also run auto K with the draft fixed at each precision (none, bfloat16, int8, int8-weight) "
                         "[default: none of them; specdec-auto uses --draft-precision auto]")
@@ -93,11 +101,23 @@ def _prompts_and_sampling(args: argparse.Namespace):
 
 def bench_config_from_args(args: argparse.Namespace):
     """The benchmark the flags describe, checked, with no model loaded: a `BenchConfig`, or with
-    --concurrency the concurrency run's (concurrencies, prompts, sampling, output directory)."""
+    --concurrency the concurrency run's (concurrencies, prompts, sampling, output directory), with
+    --conversations the conversation run's (workloads, prompts, sampling, output directory)."""
     from benchmarks.runner import BenchConfig, check_ray_placements
 
     check_ray_placements(args.ray_placement)
     prompts, source, sampling, out = _prompts_and_sampling(args)
+    if args.conversations is not None:
+        from benchmarks.conversations import WORKLOADS
+
+        unknown = [w for w in args.conversations if w not in WORKLOADS]
+        if not args.conversations or unknown:
+            raise ValueError(f"--conversations takes {', '.join(WORKLOADS)}; got {','.join(unknown) or 'none'}")
+        if args.num_conversations < 1:
+            raise ValueError(f"--num-conversations must be >= 1, got {args.num_conversations}")
+        if args.concurrency is not None:
+            raise ValueError("--conversations and --concurrency are separate runs; pass one of them")
+        return tuple(args.conversations), prompts, sampling, out
     if args.concurrency is not None:
         if not args.concurrency or any(n < 1 for n in args.concurrency):
             raise ValueError(f"--concurrency needs integers >= 1, got {','.join(map(str, args.concurrency)) or 'none'}")
@@ -116,6 +136,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks.runner import run
 
     config = bench_config_from_args(args)
+    if args.conversations is not None:
+        return _conversations(args, *config)
     if args.concurrency is not None:
         return _concurrency(args, *config)
     rows, paths = run(config)
@@ -136,6 +158,16 @@ def _concurrency(args: argparse.Namespace, concurrencies: tuple[int, ...], promp
                                   max_speculative_tokens=args.max_speculative_tokens, num_threads=args.num_threads,
                                   ray=not args.no_ray, hf=not args.no_hf,
                                   command="specdec " + " ".join(sys.argv[1:]))
+    print(paths["markdown"].read_text())
+    print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+def _conversations(args: argparse.Namespace, workloads: tuple[str, ...], prompts, sampling, out: Path) -> int:
+    from benchmarks import conversations
+
+    rows, paths = conversations.run(args.target, args.draft, workloads, args.num_conversations, sampling, out,
+                                    prompts, num_threads=args.num_threads, command="specdec " + " ".join(sys.argv[1:]))
     print(paths["markdown"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0

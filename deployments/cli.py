@@ -39,6 +39,10 @@ def register(subparsers, generate_parser: argparse.ArgumentParser) -> None:
                    help="the local Ray's metrics export port: Prometheus scrapes the engine's specdec_* metrics "
                         "(and Ray's and Serve's) at http://HOST:PORT/metrics (monitoring/prometheus.yml); a "
                         "joined cluster keeps its own [default: 8080]")
+    p.add_argument("--plan", action="store_true",
+                   help="print where each role of each replica would go on the Ray cluster (--ray-address, else a "
+                        "local Ray) and what is missing if it cannot fit, then exit (0: it fits, 1: it does not); "
+                        "loads no model")
     p.set_defaults(func=cmd_serve)
 
 
@@ -99,6 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.decoding.proposers import NON_MODEL_DRAFTS
 
     options = options_from_args(args)
+    if args.plan:
+        return _print_plan(options, args.ray_address or os.environ.get("RAY_ADDRESS"))
     for spec in (options.target, options.draft):
         if spec not in NON_MODEL_DRAFTS:
             resolve_spec(spec)  # a missing path fails here (exit 2), not in a replica
@@ -168,6 +174,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             serve.shutdown()
         finally:
+            ray.shutdown()
+
+
+def _print_plan(options, address: str | None) -> int:
+    """`--plan`: the replicas' placement on the cluster's free resources, as text; no model loads."""
+    import ray
+
+    from actors.builder import ensure_ray
+    from actors.placement import cluster_nodes, plan, render
+
+    ensure_ray(address)
+    try:
+        nodes = cluster_nodes()
+        plans = plan(options.ray_engine_config(), nodes, options.replicas)
+        print(render(plans, nodes), flush=True)
+        return 0 if all(p.fits for p in plans) else 1
+    finally:
+        if not address:
             ray.shutdown()
 
 

@@ -140,6 +140,10 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = Field(False, description="extension: keep generating past the EOS token")
     speculative: SpeculativeOptions | None = Field(None, description="extension: per-request speculation")
     user: str | None = Field(None, description="accepted and ignored")
+    cache_salt: str | None = Field(None, max_length=1024,
+                                   description="extension (vLLM): cached prompt prefixes are shared only among "
+                                               "requests with the same salt (give a tenant its own: a cache hit's "
+                                               "speed then tells nothing about other tenants' prompts)")
     presence_penalty: Float | None = Field(0.0, ge=-2, le=2, description="subtracted from the logit of every token "
                                                                           "already in the output")
     frequency_penalty: Float | None = Field(0.0, ge=-2, le=2, description="times each token's count in the output, "
@@ -245,7 +249,8 @@ class SamplingRequest(StrictModel):
     def speculation(self) -> dict:
         """Keyword arguments of the coordinator's per-request overrides."""
         s = self.speculative or SpeculativeOptions()
-        return {"num_speculative_tokens": s.num_speculative_tokens, "pipeline": s.pipeline}
+        return {"num_speculative_tokens": s.num_speculative_tokens, "pipeline": s.pipeline,
+                "cache_salt": self.cache_salt}
 
 
 class CompletionRequest(SamplingRequest):

@@ -20,10 +20,15 @@ from pydantic import BaseModel, Field
 from deployments.protocol import FunctionCall, ToolCall
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class CompletionLogprobs(BaseModel):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from deployments.errors import APIError, error_body, error_from_exception
 from deployments.protocol import SamplingRequest
 from deployments.responses import (ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, Delta,
-                                   ToolCallDelta, Usage, chat_logprobs, completion_logprobs)
+                                   PromptTokensDetails, ToolCallDelta, Usage, chat_logprobs, completion_logprobs)
 from deployments.tool_calls import StreamParser
 from specdec.decoding.stats import SpeculativeStats
 from specdec.engine.request_state import GenerationOutput, StreamChunk
@@ -94,9 +94,15 @@ def cancel(choices: list[Choice]) -> None:
 
 def usage(choices: list[Choice]) -> Usage:
     prompt_tokens = {c.prompt_index: c.output.prompt_tokens for c in choices if c.output is not None}
+    # A prompt's cached tokens: its first choice's (the n choices of one prompt share its prefill).
+    cached = {}
+    for c in choices:
+        if c.output is not None:
+            cached.setdefault(c.prompt_index, c.output.cached_tokens)
     completion = sum(c.output.completion_tokens for c in choices if c.output is not None)
     total_prompt = sum(prompt_tokens.values())
-    return Usage(prompt_tokens=total_prompt, completion_tokens=completion, total_tokens=total_prompt + completion)
+    return Usage(prompt_tokens=total_prompt, completion_tokens=completion, total_tokens=total_prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
 def merged_stats(outputs: list[GenerationOutput | None]) -> dict:

@@ -56,6 +56,31 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
     raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> tuple[str, float]:
+    """`kv_cache_memory`: ("fraction", f) for auto or a number in (0, 1]; ("bytes", n) for a number
+    above 1, with an optional unit (8e9, 8GB, 8GiB)."""
+    import re
+
+    if not isinstance(text, str):
+        text = str(text)
+    value = text.strip().lower()
+    if value == "auto":
+        return "fraction", 0.5
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?", value)
+    if not match:
+        raise ValueError(f"expected bytes (8e9, 8GB, 8GiB), a fraction of available memory (0.5) or auto, got {text!r}")
+    number = float(match.group(1))
+    if number <= 0:
+        raise ValueError(f"must be positive, got {text!r}")
+    if match.group(2) is None and number <= 1:
+        return "fraction", number
+    return "bytes", number * _UNITS[match.group(2) or ""]
+
+
 def _check_int(name: str, value, minimum: int | None, maximum: int | None = None, none_ok: bool = False,
                note: str = "") -> None:
     """`value` is an integer (not a bool) in [minimum, maximum] (None: unbounded), or None if `none_ok`."""
@@ -272,6 +297,15 @@ class EngineConfig:
     allow_pickle_weights: bool = option(False, help="load .bin/.pt weights (Python pickles: they can run code as "
                                                     "they load) when a model has no safetensors; only for files "
                                                     "you trust [default: safetensors and GGUF only]")
+    prefix_caching: bool = option(True, help="reuse the KV of earlier requests' prompts (finished or running) for "
+                                             "new prompts that start with the same tokens, so a request prefills "
+                                             "only what is new; a hit's speed can tell a client that another "
+                                             "one sent the same prefix (docs/serving.md#prefix-caching)")
+    kv_cache_memory: str = option(
+        "auto", metavar="BYTES|FRACTION",
+        help="the KV memory budget of running requests plus cached prefixes, per replica: bytes (8e9, 8GB, "
+             "8GiB) or a fraction of the memory available once the models are loaded (0.5); auto = 0.5. A "
+             "request waits while the budget is full, one that could never fit gets an error")
     # Batching (engine/scheduler.py): requests beyond the batch wait in a queue.
     max_batch_size: int = option(8, cli=False, help="requests decoded together per step")
     max_batch_tokens: int = option(512, cli=False, help="target tokens one step (or one prefill chunk) may feed")
@@ -313,6 +347,10 @@ class EngineConfig:
         _check_int("draft_vocab_size", self.draft_vocab_size, 1, none_ok=True)
         _check_choice("speculative_sampling", self.speculative_sampling, SAMPLING_MODES)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 0, note=" (0: off)")
+        try:
+            parse_memory(self.kv_cache_memory)
+        except ValueError as e:
+            raise ConfigError("kv_cache_memory", f"kv_cache_memory: {e}") from None
         _check_int("ngram_min", self.ngram_min, 1)
         if not self.ngram_min <= self.ngram_max:
             raise ConfigError("ngram_max", f"need ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")

@@ -31,10 +31,13 @@ def test_every_engine_option_is_a_flag_with_the_fields_name_and_default(command)
             assert f.name not in actions
             continue
         action = actions[f.name]
-        assert flag_of(f.name) in action.option_strings, f.name
         default = None if f.default is dataclasses.MISSING else f.default  # target: required in the core
+        flag = flag_of(f.name)
+        if default is True:  # a switch that is on: its flag turns it off
+            flag = "--no-" + flag.removeprefix("--")
+        assert flag in action.option_strings, f.name
         assert action.default == CLI_DEFAULTS.get(f.name, default), f.name
-        assert action.help.startswith(f.metadata["option"]["help"][:40]), f.name
+        assert action.help.removeprefix("turn off: ").startswith(f.metadata["option"]["help"][:40]), f.name
 
 
 def test_sampling_and_ray_options_are_flags_of_generate():

@@ -59,7 +59,7 @@ def panel(kind, title: str, description: str, unit: str, targets: list[tuple[str
 ACCEPTED = "ray_specdec_num_accepted_tokens_total"
 DRAFT_TOKENS = "ray_specdec_num_draft_tokens_total"
 DRAFTS = "ray_specdec_num_drafts_total"
-ENGINE_LABELS = ("model_name", "replica", "linear_kernel", "draft_precision", "cpu", "isa")
+ENGINE_LABELS = ("model_name", "replica", "target_precision", "linear_kernel", "draft_precision", "cpu", "isa")
 
 
 def build() -> dict:
@@ -67,7 +67,8 @@ def build() -> dict:
     speculation internals and the engines, one function each below."""
     d = header()
     for title, panels in (("Acceptance", acceptance()), ("Throughput", throughput()), ("Latency", latency()),
-                          ("Speculation internals", internals()), ("Engine", [engine_table()])):
+                          ("Prefix cache and KV memory", memory()), ("Speculation internals", internals()),
+                          ("Engine", [engine_table()])):
         d = d.with_row(dashboard.Row(title))
         for p in panels:
             d = d.with_panel(p)
@@ -174,6 +175,30 @@ def latency() -> list:
     ]
 
 
+def memory() -> list:
+    return [
+        panel("timeseries", "Prefix cache hit rate",
+              "Share of prompt tokens whose KV the prefix cache served (copied from an earlier or running "
+              "request's, not computed): the turns of a conversation and a shared system prompt hit. vLLM's "
+              "prefix_cache_hits / prefix_cache_queries.",
+              "percentunit",
+              [(f"{rate('ray_specdec_prefix_cache_hits_total')} / {rate('ray_specdec_prefix_cache_queries_total')}",
+                "hit rate")]),
+        panel("timeseries", "Prompt tokens: computed and cached",
+              "Prompt tokens per second, split into those the prefix cache served and those prefilled.",
+              "short",
+              [(rate("ray_specdec_prefix_cache_hits_total"), "cached"),
+               (f"{rate('ray_specdec_prefix_cache_queries_total')} - {rate('ray_specdec_prefix_cache_hits_total')}",
+                "computed")]),
+        panel("timeseries", "KV budget in use and evictions",
+              "The KV budget (kv_cache_memory) in use: running requests' reservations plus cached prefixes; at "
+              "1.0 new requests wait. Evictions: cached prefixes dropped (least recently used first) for room.",
+              "short",
+              [(f"max by (model_name, replica) (ray_specdec_kv_cache_usage{SELECTOR})", "in use {{replica}}"),
+               (rate("ray_specdec_prefix_cache_evictions_total"), "evictions/s")]),
+    ]
+
+
 def internals() -> list:
     return [
         panel("timeseries", "KV-cache rewinds",
@@ -217,7 +242,8 @@ def engine_table():
                                                                "indexByName": {n: i for i, n in
                                                                                enumerate(ENGINE_LABELS)}})
     return (table.Panel().title("Engine: kernels and CPU")
-            .description("How each engine runs: the target's linear kernel, the draft model's precision ('none': "
+            .description("How each engine runs: the target's precision and linear kernel, the draft model's "
+                         "precision ('none': "
                          "no draft model, or one run as loaded), and the CPU model and widest vector ISA (amx, "
                          "avx512, avx2) of its node. Kernel and precision choices that win on one CPU lose on "
                          "another: read the speed and latency panels with this table.")

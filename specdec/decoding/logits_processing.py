@@ -40,7 +40,8 @@ def process(logits: torch.Tensor, sampling: SamplingParams, prefix: Sequence[int
     if sampling.logit_bias:
         ids = [i for i, _ in sampling.logit_bias if i < vocab]
         if ids:
-            scores[0, ids] += torch.tensor([b for i, b in sampling.logit_bias if i < vocab], dtype=scores.dtype)
+            scores[0, ids] += torch.tensor([b for i, b in sampling.logit_bias if i < vocab], dtype=scores.dtype,
+                                           device=scores.device)
     if sampling.repetition_penalty != 1.0 and len(prefix):
         from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -17,7 +17,7 @@ from typing import Protocol, Union
 import torch
 
 from specdec.decoding.proposers import Proposal
-from specdec.engine.pools import DraftRow, TargetRow
+from specdec.engine.pools import AdmitRow, DraftRow, PrefixUsage, TargetRow
 
 #: One row of a verify forward: the target's argmax ids `[num_logits]` (a row that asked for
 #: `TargetRow.argmax_only`) or its float32 logits `[num_logits, vocab]`.
@@ -42,6 +42,13 @@ class DraftCapabilities:
 
 
 class TargetBackend(Protocol):
+    def admit(self, rows: Sequence[AdmitRow]) -> list[int]:
+        """Make each entering request's cache from the longest cached prefix of its prompt; per row
+        the prompt tokens it holds (every shard the same)."""
+
+    def fit(self, room: int) -> PrefixUsage:
+        """Evict cached prefixes down to `room` bytes (over every shard); what they hold then."""
+
     def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], list[TargetResult]]:
         """One batched forward; per row its `TargetOutput` or the exception that failed it."""
 
@@ -57,6 +64,9 @@ class DraftBackend(Protocol):
 
     def submit_propose(self, rows: Sequence[DraftRow]) -> Callable[[], list[DraftResult]]:
         """One batched proposal; per row a `Proposal` or the exception that failed it."""
+
+    def fit(self, room: int) -> PrefixUsage:
+        """Evict the draft's cached prefixes down to `room` bytes."""
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Free these requests' draft states."""

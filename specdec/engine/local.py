@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -44,7 +45,9 @@ from specdec.engine.pools import DraftPool, TargetPool
 from specdec.engine.prompt import Prompt, PromptResolver, tokenize_prompt
 from specdec.engine.api import Engine, last_chunk
 from specdec.engine.request import GenerationRequest, as_request, as_requests
+from specdec.engine.budget import KVBudget, available_memory, budget_bytes
 from specdec.engine.scheduler import Scheduler
+from specdec.models.kv_cache import KVLayout
 from specdec.engine.streams import received, stream_async
 from specdec.engine.request_state import GenerationOutput, StreamChunk
 from specdec.decoding.speculation_length import CostModel
@@ -89,15 +92,26 @@ class SpeculativeEngine(Engine):
         self.costs = CostModel()
         self.calibration_check = runtime_check(summarize(self.kernel_record, self.linear_kernel),
                                                summarize(self.draft_record, self.draft_precision), VERIFY_TOKENS)
-        pool = TargetPool(self.target)
+        pool = TargetPool(self.target, config.prefix_caching)
         self.target_pool = pool
-        self.draft_pool = DraftPool(self.proposer, self.draft_device) if self.proposer is not None else None
+        self.draft_pool = (DraftPool(self.proposer, self.draft_device, config.prefix_caching)
+                           if self.proposer is not None else None)
         self.scheduler = Scheduler(config, LocalTarget(pool, self.target.device),
                                    LocalDraft(self.draft_pool, self.draft_device) if self.draft_pool is not None else None,
-                                   self.prompts, costs=self.costs)
+                                   self.prompts, costs=self.costs, budget=self._budget())
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._stop = False
+
+    def _budget(self) -> KVBudget | None:
+        """The KV budget (`kv_cache_memory`) over what a token costs the target and the draft model."""
+        total = budget_bytes(self.config.kv_cache_memory, available_memory(self.target_model.device))
+        if total is None:
+            return None
+        chunk = self.config.max_batch_tokens
+        draft = self.draft_model
+        return KVBudget(total, KVLayout.of(self.target_model.model.config, self.target_model.dtype, chunk),
+                        KVLayout.of(draft.model.config, draft.dtype, chunk) if draft is not None else None)
 
     @property
     def calibration(self) -> dict:
@@ -137,6 +151,22 @@ class SpeculativeEngine(Engine):
             engine = cls(config, target, draft)
         engine.startup_seconds = seconds
         return engine
+
+    def sibling(self, **changes) -> "SpeculativeEngine":
+        """Another engine on this one's prepared target and draft (no copy: they are only read),
+        with `EngineConfig` fields changed that do not change the weights (`prefix_caching`,
+        `kv_cache_memory`, batching): benchmarks compare settings on one copy of the models. Its
+        own caches, scheduler and thread; run the two one after the other, not at once (a cancelled
+        request's step may still be running: let a request end before the sibling starts)."""
+        built = {"target", "draft", "target_precision", "draft_precision", "linear_kernel", "device", "dtype",
+                 "draft_vocab_size", "prompt_lookup_min", "ngram_min", "ngram_max"} & changes.keys()
+        if built:
+            raise ValueError(f"a sibling shares the models and the proposer; cannot change {', '.join(sorted(built))}")
+        target = Target(self.target_model, self.linear_kernel, self.kernel_record, self.target_precision,
+                        self.precision_record, self.precision_applied)
+        draft = Draft(self.proposer, self.draft_precision, self.draft_vocab_size, self.draft_calibration,
+                      self.draft_model, self.draft_record)
+        return type(self)(dataclasses.replace(self.config, **changes), target, draft)
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> ids (with the tokenizer's chat template when `chat`)."""
@@ -221,6 +251,12 @@ class LocalTarget:
     def __init__(self, pool: TargetPool, device: torch.device) -> None:
         self.pool, self.device = pool, device
 
+    def admit(self, rows):
+        return self.pool.admit(rows)
+
+    def fit(self, room):
+        return self.pool.fit(room)
+
     def submit_forward(self, rows):
         results = self.pool.forward(rows)
         _sync(self.device)
@@ -245,6 +281,9 @@ class LocalDraft:
         results = self.pool.propose(rows)
         _sync(self.device)
         return lambda: results
+
+    def fit(self, room):
+        return self.pool.fit(room)
 
     def release(self, request_ids):
         self.pool.release(request_ids)

@@ -26,6 +26,9 @@ class GenerationRequest:
     pipeline: bool | None = None
     timeout_s: float | None = None
     tools: list[dict] | None = None  # OpenAI function definitions, rendered by the chat template
+    # Cached prefixes are shared only among requests with the same salt (vLLM's `cache_salt`): a
+    # tenant that must not learn from the prefix cache's timing what others sent gives its own.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.sampling is None:

@@ -46,6 +46,7 @@ class GenerationOutput:
     k_history: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # [completion_tokens] when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # [prompt_tokens] with `prompt_logprobs` (first: NaN)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def tokens_per_second(self) -> float:
@@ -61,6 +62,7 @@ class GenerationOutput:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             },
             # JSON has no infinity: a token outside top-k/top-p is listed at -9999 (as vLLM's server).
             **({"logprobs": [{"token": e.token, "logprob": max(e.logprob, -9999.0),
@@ -106,6 +108,7 @@ class RequestState:
         self._prompt_logprobs_sent = False
         self.started = time.perf_counter()
         self.prefill_seconds = 0.0
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (set at admission)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -192,4 +195,5 @@ class RequestState:
             k_history=self.k_history,
             logprobs=self.logprobs if self.sampling.logprobs is not None else None,
             prompt_logprobs=self.prompt_logprobs,
+            cached_tokens=self.cached_tokens,
         )

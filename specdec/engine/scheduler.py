@@ -50,7 +50,8 @@ from specdec.decoding.proposers import Proposal
 from specdec.decoding.sampling import make_concrete
 from specdec.decoding.speculation_length import CostModel, KPolicy, choose_ks, make_policy
 from specdec.engine.backends import DraftBackend, TargetBackend, TargetResult
-from specdec.engine.pools import DraftRow, TargetRow
+from specdec.engine.budget import KVBudget
+from specdec.engine.pools import AdmitRow, DraftRow, TargetRow
 from specdec.engine.prompt import PromptResolver
 from specdec.engine.request import Cancelled, GenerationRequest, RequestTimeout
 from specdec.engine.request_state import RequestState, StreamChunk
@@ -65,7 +66,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, target: TargetBackend, draft: DraftBackend | None,
                  prompts: PromptResolver, costs: CostModel | None = None,
-                 on_fatal: Callable[[Exception], None] | None = None) -> None:
+                 on_fatal: Callable[[Exception], None] | None = None, budget: KVBudget | None = None) -> None:
         """`prompts`: the target's tokenizer, vocabulary, context and end-of-sequence ids (and how a
         request's prompt is checked against them, which engines do before `submit`)."""
         self.config = config
@@ -83,6 +84,11 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._ids: set[str] = set()
         self.batch_sizes: Counter[int] = Counter()  # steps run at each batch size (benchmarks, tests)
+        self.budget = budget  # None: no KV budget (admission by batch size only)
+        self.reserved = 0  # bytes reserved by the requests in the batch
+        self.prefix_bytes = 0  # bytes held by the cached prefixes (target's and draft's)
+        self.prefix_evictions = 0
+        self._refit = False  # the batch changed: the prefix caches' room to apply
 
     # ---------------------------------------------------------------------------- requests
 
@@ -106,7 +112,13 @@ class Scheduler:
         pipeline = pipeline and not pinned
         state = RequestState(prompt_token_ids, sampling, self.tokenizer, eos)
         deadline = time.monotonic() + request.timeout_s if request.timeout_s is not None else None
-        item = ScheduledRequest(request, state, policy, sink, pipeline, deadline, observer=observer, pinned=pinned)
+        item = ScheduledRequest(request, state, policy, sink, pipeline, deadline, observer=observer, pinned=pinned,
+                                reuse=sampling.prompt_logprobs is None)
+        # Its caches' bound: the prompt, max_tokens (or the rest of the context), and one verify pass.
+        new = sampling.max_tokens if sampling.max_tokens is not None else self.max_context
+        item.limit = min(self.max_context, len(prompt_token_ids) + new + self.config.speculative_tokens_limit + 1)
+        if self.budget is not None:
+            item.reserved = self.budget.check(item.limit, len(prompt_token_ids))  # OverBudget: never fits
         with self._wake:
             if request.request_id in self._ids:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -182,15 +194,59 @@ class Scheduler:
         with self._wake:
             admitted = []
             while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch_size:
+                if self.budget is not None and self.reserved + self.waiting[0].reserved > self.budget.total:
+                    break  # the KV budget is full: the head of the queue waits (first come, first served)
                 admitted.append(self.waiting.popleft())
+                admitted[-1].admitted = True
+                self.reserved += admitted[-1].reserved
                 self.prefilling.append(admitted[-1])
-        for item in admitted:
-            if item.observer:
-                item.observer.started()
+        if admitted:
+            self._admit(admitted)
+        if self._refit:
+            self._fit_prefixes()
         if self.prefilling:
             self._prefill()
         if self.running:
             self._step(list(self.running))
+
+    def _admit(self, items: list[ScheduledRequest]) -> None:
+        """Make the admitted requests' target caches, each from the longest cached prefix of its
+        prompt: its prefill starts after what the cache served."""
+        self._fit_prefixes()  # their reservations shrank the prefixes' room: evict first
+        rows = [AdmitRow(item.request_id, item.state.token_ids, item.limit, item.request.cache_salt or "",
+                         item.reuse) for item in items]
+        try:
+            cached = self.target.admit(rows)
+        except Exception as e:  # noqa: BLE001
+            self._fatal_or_fail(items, e)
+            return
+        for item, n in zip(items, cached):
+            item.prefilled = item.state.cached_tokens = min(n, item.prefill_target)
+            if item.observer:
+                item.observer.started()
+
+    def _fit_prefixes(self) -> None:
+        """Evict cached prefixes (least recently used first) to the room the reservations leave."""
+        self._refit = False
+        if self.budget is None:
+            return
+        room_target, room_draft = self.budget.prefix_room(self.reserved)
+        usages = []
+        for backend, room in ((self.target, room_target), (self.draft, room_draft)):
+            if backend is not None:
+                try:
+                    usages.append(backend.fit(room))
+                except Exception:  # noqa: BLE001 - a dead actor holds nothing; the next fit retries
+                    logger.exception("fitting the prefix cache failed")
+        self.prefix_bytes = sum(u.bytes for u in usages)
+        self.prefix_evictions = sum(u.evictions for u in usages)
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Reserved plus cached bytes over the budget (None: no budget)."""
+        if self.budget is None:
+            return None
+        return (self.reserved + self.prefix_bytes) / self.budget.total
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -241,7 +297,7 @@ class Scheduler:
             if item.prefilled >= item.prefill_target:
                 item.state.prefill_seconds = time.perf_counter() - item.state.started
                 if item.observer:
-                    item.observer.prefilled(item.state.num_prompt_tokens, item.prefilled)
+                    item.observer.prefilled(item.state.num_prompt_tokens, item.state.cached_tokens)
                 self.prefilling.remove(item)
                 self.running.append(item)
 
@@ -296,8 +352,7 @@ class Scheduler:
         if free and sum(caps[i] - ks[i] for i in free) > step.spare_tokens:
             caps = {i: min(caps[i], ks[i] + step.spare_tokens // len(free)) for i in free}
         caps.update({i: step.pinned_max_tokens[i] for i in draft_rows if step.pinned_max_tokens[i] is not None})
-        rows = [DraftRow(batch[i].request_id, list(batch[i].state.token_ids), ks[i], batch[i].state.sampling, caps[i])
-                for i in draft_rows]
+        rows = [self._draft_row(batch[i], list(batch[i].state.token_ids), ks[i], caps[i]) for i in draft_rows]
         try:
             results = self.draft.submit_propose(rows)()
         except Exception as e:  # noqa: BLE001 - the draft failed: these rows go on target-only
@@ -308,6 +363,11 @@ class Scheduler:
             else:
                 step.proposals[i], step.drafted[i] = result, True
         step.draft_seconds = time.perf_counter() - step.started
+
+    @staticmethod
+    def _draft_row(item: ScheduledRequest, context: list[int], k: int, cap: int | None = None) -> DraftRow:
+        return DraftRow(item.request_id, context, k, item.state.sampling, cap, cache_limit=item.limit,
+                        cache_salt=item.request.cache_salt or "", reuse=item.reuse)
 
     def _submit_verify(self, step: Step):
         """Send every row's `[last committed, d1..dK]` to the target in one batched forward."""
@@ -328,8 +388,8 @@ class Scheduler:
                                   if item.pipeline and item.draft_ok and len(p)]
         if not step.pre_drafting_rows:
             return
-        rows = [DraftRow(step.batch[i].request_id, step.batch[i].state.token_ids + step.proposals[i].token_ids,
-                         len(step.proposals[i]) + 1, step.batch[i].state.sampling) for i in step.pre_drafting_rows]
+        rows = [self._draft_row(step.batch[i], step.batch[i].state.token_ids + step.proposals[i].token_ids,
+                                len(step.proposals[i]) + 1) for i in step.pre_drafting_rows]
         try:
             step.wait_pre_draft = self.draft.submit_propose(rows)
         except Exception as e:  # noqa: BLE001
@@ -468,6 +528,10 @@ class Scheduler:
                     group.remove(item)
             if item in self.running:
                 self.running.remove(item)
+            if item.admitted:
+                item.admitted = False
+                self.reserved -= item.reserved
+                self._refit = True  # its cache became a cached prefix: the room to check again
         for release in (self.target.release, self.draft.release if self.draft is not None else None):
             if release is None:
                 continue

@@ -48,8 +48,8 @@ class RequestObserver(Protocol):
     def started(self) -> None:
         """Admitted into the batch: its prefill begins."""
 
-    def prefilled(self, num_prompt_tokens: int, num_computed_tokens: int) -> None:
-        """Its prompt is in the target's cache; `num_computed_tokens` of it were computed."""
+    def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Its prompt is in the target's cache; `num_cached_tokens` of it came from the prefix cache."""
 
     def step(self, info: StepInfo) -> None:
         """One verify step's numbers."""
@@ -74,6 +74,10 @@ class ScheduledRequest:
     pinned: bool = False
     waited: int = 0  # steps sat out in a row for the token budget (they go first next step)
     observer: RequestObserver | None = None
+    limit: int | None = None  # the most tokens its caches may hold (prompt + max_tokens + a verify pass)
+    reserved: int = 0  # its KV reservation in bytes (`budget.KVBudget`), held while it is in the batch
+    admitted: bool = False  # in the batch (prefilling or running): its reservation counts
+    reuse: bool = True  # may start from a cached prefix (not with prompt_logprobs: those need the prefill)
 
     @property
     def request_id(self) -> str:

@@ -22,6 +22,7 @@ reached`); this layer can, by up to `ROLLBACK_TOKENS`. A rewind deeper than that
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,14 +41,15 @@ class LayerKV:
     model on the first forward, which is when a layer's kind shows.
     """
 
-    __slots__ = ("_k", "_v", "start", "length", "window")
+    __slots__ = ("_k", "_v", "start", "length", "window", "limit")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self._k: torch.Tensor | None = None  # [1, num_kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None  # [1, num_kv_heads, capacity, head_dim]
         self.start = 0  # absolute position of buffer slot 0
         self.length = 0  # absolute position one past the last held token
         self.window: int | None = None
+        self.limit = limit  # the most slots the buffers may grow to (its request's KV reservation)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -83,6 +85,8 @@ class LayerKV:
         if self._k is not None and self._k.shape[-2] >= capacity:
             return
         size = max(capacity, 2 * (self._k.shape[-2] if self._k is not None else 0), 32)
+        if self.limit is not None:
+            size = max(capacity, min(size, self.limit))  # doubling stops at the reservation
         k = like_k.new_empty(*like_k.shape[:2], size, like_k.shape[-1])
         v = like_v.new_empty(*like_v.shape[:2], size, like_v.shape[-1])
         held = self.length - self.start
@@ -111,21 +115,73 @@ class LayerKV:
         self._k = self._v = None
         self.start = self.length = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (capacity, not length)."""
+        return 0 if self._k is None else self._k.numel() * self._k.element_size() * 2
+
+    def copy_prefix(self, source: "LayerKV", length: int) -> None:
+        """Hold `source`'s positions up to `length` (those a query after `length` may read), copied
+        into buffers of this layer's own."""
+        self.window = source.window
+        start = source.start
+        if self.window is not None and length > start + self.window + ROLLBACK_TOKENS:
+            start = length - self.window - ROLLBACK_TOKENS  # older keys are out of every future query's window
+        held = length - start
+        if held <= 0:
+            self.clear()
+            return
+        k, v = source._k[..., start - source.start: length - source.start, :], \
+            source._v[..., start - source.start: length - source.start, :]
+        self._k = self._v = None
+        self.start = self.length = start
+        self._reserve(k, v, held)
+        self._k[..., :held, :] = k
+        self._v[..., :held, :] = v
+        self.length = length
+
 
 class KVCache:
-    """One request's keys/values for every layer of one model, plus the ids of the tokens they hold."""
+    """One request's keys/values for every layer of one model, plus the ids of the tokens they hold.
+    `limit`: the most tokens its buffers grow to (its request's KV reservation, `KVLayout`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.layers: list[LayerKV] = []  # grown to the model's layer count on the first forward
         self.token_ids: list[int] = []
+        self.limit = limit
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def layer(self, index: int) -> LayerKV:
         while len(self.layers) <= index:
-            self.layers.append(LayerKV())
+            self.layers.append(LayerKV(self.limit))
         return self.layers[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def serves_from(self) -> int:
+        """The shortest prefix `copy_prefix` can take: sliding layers that dropped keys serve only
+        lengths whose window they still hold."""
+        return max([layer.start + layer.window - 1 for layer in self.layers if layer.start and layer.window]
+                   + [1])
+
+    def can_serve(self, length: int) -> bool:
+        """Can a copy of its first `length` tokens continue decoding (`copy_prefix`)? Every layer must
+        hold what a query at `length` reads: full layers from 0, sliding ones their window."""
+        return 0 < length <= len(self.token_ids) and all(
+            layer.start == 0 or (layer.window is not None and length - layer.window + 1 >= layer.start)
+            for layer in self.layers)
+
+    def copy_prefix(self, source: "KVCache", length: int) -> None:
+        """Hold `source`'s first `length` tokens (the caller checked `source.can_serve(length)`), in
+        buffers of its own; what it held before is dropped."""
+        self.layers = []
+        for index, layer in enumerate(source.layers):
+            self.layer(index).copy_prefix(layer, length)
+        self.token_ids = list(source.token_ids[:length])
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Record tokens just written by a forward pass over this cache."""
@@ -168,3 +224,37 @@ class KVCache:
             keep = 0
         self.rewind(keep)
         return keep
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a model's KV cache costs: bytes per token over its full-attention layers, over its
+    sliding-window layers, and the most tokens a sliding layer holds (window, rewind margin, and the
+    piles `LayerKV` lets grow before dropping, plus a prefill chunk). Summed over tensor-parallel
+    ranks, it is the whole model's."""
+
+    full_bytes: int
+    sliding_bytes: int = 0
+    sliding_tokens: int = 0
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes of one request's cache holding `tokens` tokens, at most."""
+        return self.full_bytes * tokens + self.sliding_bytes * min(tokens, self.sliding_tokens)
+
+    def __add__(self, other: "KVLayout") -> "KVLayout":
+        return KVLayout(self.full_bytes + other.full_bytes, self.sliding_bytes + other.sliding_bytes,
+                        max(self.sliding_tokens, other.sliding_tokens))
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype, max_chunk: int = 512) -> "KVLayout":
+        """From a transformers config: layers, KV heads, head size, layer kinds, window."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", 1)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        per_layer = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        window = getattr(text, "sliding_window", None)
+        sliding = sum(k == "sliding_attention" for k in kinds) if window else 0
+        return cls(per_layer * (len(kinds) - sliding), per_layer * sliding,
+                   2 * (window + ROLLBACK_TOKENS) + max_chunk if sliding else 0)

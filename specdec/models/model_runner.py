@@ -31,8 +31,8 @@ class ModelRunner:
         self.max_context = loaded.max_context
         check_supported(self.model.config)
 
-    def new_cache(self) -> KVCache:
-        return KVCache()
+    def new_cache(self, limit: int | None = None) -> KVCache:
+        return KVCache(limit)
 
     def _check_context(self, caches: Sequence[KVCache], token_lists: Sequence[Sequence[int]]) -> None:
         for cache, tokens in zip(caches, token_lists):

@@ -38,9 +38,11 @@ def cluster():
         ray.init(address=c.address)
         c.wait_for_nodes()
         deadline = time.monotonic() + 60
-        while len(list_nodes()) < 3 and time.monotonic() < deadline:  # the state API sees all three
+        while len(list_nodes(address=c.address)) < 3 and time.monotonic() < deadline:  # the state API sees all three
             time.sleep(0.5)
-        yield {"draft": draft_node.node_id, "target": target_node.node_id, "head": c.head_node.node_id}
+        # The state API is asked by address: another module's cluster may be up on this machine too.
+        yield {"draft": draft_node.node_id, "target": target_node.node_id, "head": c.head_node.node_id,
+               "address": c.address}
     finally:
         ray.shutdown()
         c.shutdown()
@@ -64,7 +66,7 @@ def test_roles_land_on_their_nodes_and_greedy_output_is_unchanged(cluster, tiny_
     engine = build_ray_engine(_config(tiny_llama, tiny_llama_draft))
     try:
         out = engine.generate(PROMPT, sampling=SamplingParams(temperature=0.0, max_tokens=24))
-        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)]
+        actors = list_actors(address=cluster["address"], filters=[("state", "=", "ALIVE")], detail=True)
         nodes = {}
         for a in actors:
             nodes.setdefault(a.class_name, []).append(a.node_id)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
 from actors import RayEngineConfig, RolePlacement, build_ray_engine
@@ -305,3 +306,28 @@ def test_pipelined_sampling_follows_the_target_distribution(ray_session, small_v
     finally:
         engine.shutdown()
 
+
+
+def test_prefix_cache_hits_on_every_shard_and_the_draft_worker(ray_engines, in_process):
+    """tp 2 with a separate draft: the second turn of a conversation prefills only its new tokens on
+    both shards (they must agree on the cached length, or the step fails), the draft worker starts
+    from its cached prefix too, and the output equals the in-process engine's."""
+    engine = ray_engines(2, False)
+    handles = ray.get(engine.engine.coordinator.handles.remote())
+    room = 1 << 40  # evicts nothing: `fit` only reports
+
+    def served():
+        shards = [u.hit_tokens for u in ray.get([s.fit.remote(room) for s in handles["shards"]])]
+        return shards, ray.get(handles["draft"].fit.remote(room)).hit_tokens
+
+    system = [(5 * i) % 90 + 3 for i in range(40)]
+    first = engine.generate(prompt_token_ids=system, sampling=SamplingParams(max_tokens=12))
+    follow = system + first.token_ids + [7, 8, 9]
+    shards_before, draft_before = served()
+    second = engine.generate(prompt_token_ids=follow, sampling=SamplingParams(max_tokens=12))
+    shards_after, draft_after = served()
+    assert first.cached_tokens == 0 and second.cached_tokens >= len(system) + len(first.token_ids) - 1
+    assert [a - b for a, b in zip(shards_after, shards_before)] == [second.cached_tokens] * 2
+    assert draft_after - draft_before >= len(system)
+    assert second.token_ids == in_process.generate(prompt_token_ids=follow,
+                                                   sampling=SamplingParams(max_tokens=12)).token_ids

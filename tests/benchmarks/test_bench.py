@@ -223,3 +223,48 @@ def test_bench_interrupted_writes_what_was_measured(tiny_llama, tiny_llama_draft
     rows = {r["method"]: r for r in data["summary"]}
     assert set(rows) == {"specdec-none", "specdec-auto"} and all(r["prompts"] == 1 for r in rows.values())
     assert "**Interrupted**" in (out / "bench.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def long_bpe_pair(tmp_path_factory, bpe_tokenizer):
+    """tiny_bpe_pair's shape with a 4096-token context: the agent workload's prompts reach ~2000 tokens."""
+    from pathlib import Path
+
+    from tests.tiny_models import make_model
+
+    template = (Path(__file__).parents[1] / "data" / "qwen2.5-chat-template.jinja").read_text()
+    target = make_model(tmp_path_factory.mktemp("conv-target"), "llama", vocab_size=len(bpe_tokenizer), seed=31,
+                        tokenizer=bpe_tokenizer, hidden=32, layers=1, heads=2, kv_heads=1,
+                        eos_token_id=bpe_tokenizer.eos_token_id, context=4096, chat_template=template)
+    draft = make_model(tmp_path_factory.mktemp("conv-draft"), perturb_from=target, noise=0.3, seed=32,
+                       tokenizer=bpe_tokenizer, chat_template=template)
+    return target, draft
+
+
+def test_bench_conversations_smoke(long_bpe_pair, tmp_path, capsys):
+    target, draft = long_bpe_pair
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(target), "--draft", str(draft), "--conversations", "chat,agent,misses",
+                 "--num-conversations", "2", "--max-tokens", "6", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "bench-conversations.json").read_text())
+    by = {(r["workload"], r["mode"]): r for r in data["summary"]}
+    assert set(by) == {(w, m) for w in ("chat", "agent", "misses") for m in ("cache", "no-cache")}
+    for (workload, mode), row in by.items():
+        turns = 1 if workload == "misses" else 4
+        assert row["requests"] == 2 * turns and len(row["ttft_median_by_turn"]) == turns
+        assert row["identical_to_other_mode"] == 2 * turns, (workload, mode)  # the cache changes no output
+        if mode == "no-cache" or workload == "misses":
+            assert row["cached_tokens"] == 0 and row["fresh_ttft_median_by_turn"] == [None] * turns
+        else:
+            assert row["computed_tokens"] < by[(workload, "no-cache")]["computed_tokens"] / 2
+            assert all(x > 0 for x in row["fresh_ttft_median_by_turn"])
+    for turn in data["turns"]:
+        if turn["mode"] == "cache" and turn["workload"] != "misses" and (turn["turn"] > 1 or turn["conversation"] > 0):
+            assert turn["cached_tokens"] > 300, turn  # the shared system prompt at least
+    assert data["meta"]["cpu"]["model"]
+    assert (out / "ttft_per_turn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| chat | cache |" in capsys.readouterr().out
+    assert main(["bench", "--conversations", "chat,voice"]) == 2
+    assert "voice" in capsys.readouterr().err
+    assert main(["bench", "--conversations", "chat", "--num-conversations", "0"]) == 2

@@ -624,3 +624,61 @@ def test_echo_with_prompt_logprobs(service, local):
     ids = local.tokenize(PROMPT)
     plain = service.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(local.tokenizer.decode(ids)) and plain.choices[0].logprobs is None
+
+
+# ---------------------------------------------------------------------------- prefix caching
+
+def test_a_second_chat_turn_reports_its_cached_prompt_tokens(service, local):
+    """The OpenAI field `usage.prompt_tokens_details.cached_tokens`: a conversation's second turn
+    reuses the first turn's KV (streamed or not), another `cache_salt` shares nothing, and the text
+    is what the in-process engine gives the whole history."""
+    system = {"role": "system", "content": " ".join(f"w{10 + i % 70}" for i in range(48))}
+    first = [system, {"role": "user", "content": "w5 w6 w7"}]
+    one = service.client.chat.completions.create(model=MODEL, messages=first, max_tokens=10, temperature=0)
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "w9 w10"}]
+    two = service.client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert 48 <= cached < two.usage.prompt_tokens
+    assert two.choices[0].message.content == local.generate(second, chat=True,
+                                                            sampling=SamplingParams(max_tokens=10)).text
+    chunks = list(service.client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == two.usage.prompt_tokens - 1  # all but the last
+    salted = service.client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0,
+                                                    extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == two.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def budget_base(tiny_long_chat_llama):
+    """The OpenAI app on the in-process engine with a KV budget of 512 tokens (the context is 4096)."""
+    from transformers import AutoConfig
+
+    from deployments.local import local_app
+    from specdec.models.kv_cache import KVLayout
+
+    import torch
+
+    budget = KVLayout.of(AutoConfig.from_pretrained(tiny_long_chat_llama), torch.float32, 512).bytes_for(512)
+    app, model = local_app({"target": str(tiny_long_chat_llama), "draft": "none", "served_model_name": "budget",
+                            "kv_cache_memory": str(budget)})
+    try:
+        with http_server(app) as port:
+            yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        model.shutdown()
+
+
+def test_a_request_larger_than_the_kv_budget_gets_a_400_naming_it(budget_base):
+    client = openai.OpenAI(base_url=budget_base, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="KV budget") as raised:
+        client.completions.create(model="budget", prompt=PROMPT, max_tokens=1000)
+    assert "kv_cache_memory" in str(raised.value) and "max_tokens" in str(raised.value)
+    # Chat without max_tokens runs to the end of the context (4096 tokens): that is what it reserves.
+    without = httpx.post(f"{budget_base}/chat/completions", timeout=60,
+                         json={"model": "budget", "messages": [{"role": "user", "content": PROMPT}]})
+    assert without.status_code == 400 and "KV budget" in without.json()["error"]["message"]
+    fits = client.completions.create(model="budget", prompt=PROMPT, max_tokens=100, extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == 100

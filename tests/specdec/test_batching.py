@@ -142,3 +142,31 @@ def test_bad_and_cancelled_requests_leave_the_batch_alone(pair, references):
         if i != 1:
             assert [t for c in stream for t in c.token_ids] == references[i]
     assert len(engine.target_pool) == len(engine.draft_pool) == 0
+
+
+def test_a_proposal_that_fails_turns_its_own_row_target_only_not_the_batch(pair, references, monkeypatch):
+    """A row whose drafting raises (here: the proposer fails on any context holding prompt 4's first
+    token) goes on target-only with its output unchanged; the rows batched with it keep drafting."""
+    engine = SpeculativeEngine.from_pretrained(str(pair[0]), draft=str(pair[1]), num_speculative_tokens=4,
+                                               draft_precision="none")
+    marker = PROMPTS[4][0]
+    assert all(marker not in p for i, p in enumerate(PROMPTS) if i != 4)
+    real = engine.proposer.propose_batch
+
+    def failing(states, contexts, *args, **kwargs):
+        if any(marker in c for c in contexts):
+            raise RuntimeError("this row's input breaks the draft")
+        return real(states, contexts, *args, **kwargs)
+
+    monkeypatch.setattr(engine.proposer, "propose_batch", failing)
+    outs = engine.generate_batch(requests())
+    assert [o.token_ids for o in outs] == references
+    assert outs[4].speculative.draft_failures == 1 and outs[4].speculative.num_draft_tokens == 0
+    for i, out in enumerate(outs):
+        if i != 4:
+            assert out.speculative.draft_failures == 0 and out.speculative.num_draft_tokens > 0, i
+    # Negative control: the same failure without per-row isolation turns every row target-only.
+    monkeypatch.setattr(engine.draft_pool, "propose", engine.draft_pool._propose)
+    outs = engine.generate_batch(requests())
+    assert [o.token_ids for o in outs] == references
+    assert sum(o.speculative.draft_failures > 0 for o in outs) > 1

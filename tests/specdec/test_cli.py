@@ -23,7 +23,8 @@ def test_generate_json_installed_entry_point(tiny_llama, tiny_llama_draft):
     out = json.loads(proc.stdout)
     assert set(out) >= {"text", "token_ids", "finish_reason", "usage", "speculative"}
     assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": len(out["token_ids"]),
-                            "total_tokens": 4 + len(out["token_ids"])}
+                            "total_tokens": 4 + len(out["token_ids"]),
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # a fresh process caches nothing
     spec = out["speculative"]
     assert set(spec) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
                          "mean_accepted_length", "accepted_per_position", "target_forwards"}

@@ -45,8 +45,9 @@ class Proposer(Protocol):
     #: Where its proposals' distributions live.
     device: torch.device
 
-    def new_state(self) -> Any:
-        """Per-sequence state (a draft KV cache, or None); kept by the caller, passed back each call."""
+    def new_state(self, limit: int | None = None) -> Any:
+        """Per-sequence state (a draft KV cache of at most `limit` tokens, or None); kept by the
+        caller, passed back each call."""
 
     def propose(
         self,

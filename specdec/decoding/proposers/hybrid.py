@@ -35,8 +35,8 @@ class HybridProposer:
         self.device = model.device
         self.min_match, self.max_n = min_match, max_n
 
-    def new_state(self):
-        return self.model.new_state()
+    def new_state(self, limit: int | None = None):
+        return self.model.new_state(limit)
 
     def lookup(self, context_token_ids: Sequence[int], num_tokens: int) -> list[int]:
         """The n-gram proposal, if the match is long enough; else []."""

@@ -27,8 +27,8 @@ class DraftModelProposer:
         self.runner = runner
         self.device = runner.device
 
-    def new_state(self) -> KVCache:
-        return self.runner.new_cache()
+    def new_state(self, limit: int | None = None) -> KVCache:
+        return self.runner.new_cache(limit)
 
     def propose(self, state: KVCache, context_token_ids: Sequence[int], num_tokens: int,
                 sampling: SamplingParams) -> Proposal:

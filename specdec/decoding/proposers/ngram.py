@@ -26,7 +26,7 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def new_state(self) -> None:
+    def new_state(self, limit: int | None = None) -> None:
         return None
 
     def propose(
