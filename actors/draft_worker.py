@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from actors.wire import WireLog
 from specdec.kernels.calibration import Record as Calibration, summarize
 from specdec.config import EngineConfig
 from specdec.engine.build import Target, load_draft
@@ -42,6 +43,7 @@ class DraftWorker:
             self.forward_progress.watch(built.model.model)
         self.pool = DraftPool(proposer, device, config.prefix_caching)
         self.model = built.model
+        self.wire = WireLog()  # calls and bytes per method, when a test or benchmark asks
 
     def kv_layout(self):
         """What a token costs the draft's KV cache (`specdec.models.kv_cache.KVLayout`; None: n-gram)."""
@@ -72,7 +74,14 @@ class DraftWorker:
         for p in proposals:
             if isinstance(p, Proposal):  # not a row's error (`RowError`)
                 p.seconds = seconds
-        return proposals
+                if p.probs is not None:  # q (residual sampling) crosses Ray on the host
+                    p.probs = p.probs.cpu()
+        return self.wire.record("propose", rows, proposals)
+
+    def wire_log(self, enable: bool | None = None) -> dict:
+        """Calls and bytes per method so far (`actors.wire.WireLog`); `enable` turns counting on
+        (from zero) or off."""
+        return self.wire.snapshot() if enable is None else self.wire.enable(enable)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.pool.release(request_ids)

@@ -14,7 +14,7 @@ import ray
 
 from actors.groups import TargetGroupSupervisor, TargetShardError
 from specdec.engine.backends import DraftCapabilities
-from specdec.engine.pools import AdmitRow, DraftRow, PrefixUsage, TargetRow
+from specdec.engine.pools import AdmitRow, DraftRow, ForwardReply, PrefixUsage, TargetRow, as_delta
 
 
 class RemoteTarget:
@@ -39,18 +39,21 @@ class RemoteTarget:
         return PrefixUsage(sum(u.bytes for u in usages), usages[0].evictions)
 
     def submit_forward(self, rows: Sequence[TargetRow]):
+        """Every shard runs the forward; rank 0's results, each row's cache length on every shard
+        (they must agree: a shard that lost a request's state breaks the group, rebuilt)."""
         refs = [s.forward.remote(rows) for s in self.group.shards()]
-        return lambda: self.group.gather(refs)[0]
 
-    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[list[int]]:
-        per_shard = self.group.gather([s.rewind.remote(rows) for s in self.group.shards()])
-        per_row = [list(lengths) for lengths in zip(*per_shard)]
-        for (request_id, length), lengths in zip(rows, per_row):
-            if any(n != length for n in lengths):
-                self.group.drop(f"cache lengths {lengths} after rewinding {request_id} to {length}")
-                raise TargetShardError(f"target shards disagree after a rewind: cache lengths {lengths}, committed "
-                                       f"length {length}; the shard group is rebuilt")
-        return per_row
+        def wait() -> ForwardReply:
+            replies = self.group.gather(refs)
+            per_row = [[r.cache_lengths[i][0] for r in replies] for i in range(len(rows))]
+            for row, lengths in zip(rows, per_row):
+                if any(n != lengths[0] for n in lengths):
+                    self.group.drop(f"cache lengths {lengths} for {row.request_id} (expected {row.expected_length})")
+                    raise TargetShardError(f"target shards disagree on a cache: lengths {lengths}, expected "
+                                           f"{row.expected_length}; the shard group is rebuilt")
+            return ForwardReply(replies[0].results, per_row)
+
+        return wait
 
     def release(self, request_ids: Sequence[str]) -> None:
         if self.group.group is not None:
@@ -64,6 +67,7 @@ class RemoteDraft:
 
     def __init__(self, worker, group: TargetGroupSupervisor, pipeline: bool, per_token: bool) -> None:
         self.worker, self.group = worker, group
+        self.sent: dict[str, list[int]] = {}  # request id -> the context last sent (rows go as deltas)
         self.capabilities = DraftCapabilities(
             concurrent=worker is not None,  # its own process: pre-drafting overlaps the verify
             pipeline=pipeline, per_token=per_token)
@@ -74,10 +78,26 @@ class RemoteDraft:
         return ray.get(self.group.shards()[0].fit_draft.remote(room))
 
     def submit_propose(self, rows: Sequence[DraftRow]):
+        """The rows go as deltas: each context past what it shares with the one last sent for its
+        request (the draft keeps the rest). A failed call forgets what was sent: a restarted draft
+        worker knows nothing, so the next rows go whole."""
         actor = self.worker if self.worker is not None else self.group.shards()[0]
-        ref = actor.propose.remote(rows)
-        return lambda: ray.get(ref)
+        deltas = [as_delta(row, self.sent.get(row.request_id)) for row in rows]
+        for row in rows:
+            self.sent[row.request_id] = row.context_token_ids
+        ref = actor.propose.remote(deltas)
+
+        def wait():
+            try:
+                return ray.get(ref)
+            except Exception:
+                self.sent.clear()
+                raise
+
+        return wait
 
     def release(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.sent.pop(request_id, None)
         if self.worker is not None:
             self.worker.release.remote(request_ids)

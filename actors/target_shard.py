@@ -15,6 +15,7 @@ health check asks for it while a forward runs (the actor gives it a thread of it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from datetime import timedelta
 
 import torch
 
+from actors.wire import WireLog
 from specdec import startup
 from specdec.config import EngineConfig
 from specdec.kernels.calibration import summarize
@@ -51,6 +53,7 @@ class TargetShard:
         self.startup_seconds: dict[str, float] = {}
         self.kernel_record = None  # the target kernel's calibration (specdec.kernels.calibration.Record), when measured
         self.forward_progress = ForwardProgress.from_env()  # the target's layers, and a colocated draft's
+        self.wire = WireLog()  # calls and bytes per method, when a test or benchmark asks
 
     # ------------------------------------------------------------------------------- set-up
 
@@ -88,7 +91,7 @@ class TargetShard:
         self.target_precision = precision_summary(target.precision_record, target.precision, target.applied)
         self.forward_progress.watch(loaded.model)
         self.runner = ModelRunner(loaded)
-        self.pool = TargetPool(self.runner)
+        self.pool = TargetPool(self.runner, self.config.prefix_caching)
         if self.host_draft:
             from actors.draft_worker import DraftWorker
 
@@ -126,11 +129,24 @@ class TargetShard:
     # ------------------------------------------------------------------------------ serving
 
     def forward(self, rows: Sequence[TargetRow]):
-        """One batched forward over every row; rank 0 returns per row `[num_logits]` argmax ids (greedy),
-        `[num_logits, vocab]` float32 logits on the CPU, or that row's error; other ranks return None."""
+        """One batched forward over every row (`TargetPool.forward`: each cache first drops the last
+        step's rejected tokens); rank 0 verifies the proposals where the logits are and returns per
+        row `[num_logits]` argmax ids (greedy), the `VerifyResult`, `[num_logits, vocab]` float32
+        logits on the CPU (prompt log-probabilities) or that row's error; the other ranks run the
+        same forward (the collectives need them), verify nothing and return only their cache lengths."""
+        sent = rows
+        if self.rank != 0:
+            rows = [dataclasses.replace(r, argmax_only=True, verify=None) for r in rows]
         with self.forward_progress.running("forward"):
-            results = self.pool.forward(rows)
-        return results if self.rank == 0 else None
+            reply = self.pool.forward(rows)
+        if self.rank != 0:  # the coordinator reads rank 0's results; a row that failed only here shows
+            reply = dataclasses.replace(reply, results=None)  # as a cache length that disagrees
+        return self.wire.record("forward", sent, reply)
+
+    def wire_log(self, enable: bool | None = None) -> dict:
+        """Calls and bytes per method so far (`actors.wire.WireLog`); `enable` turns counting on
+        (from zero) or off."""
+        return self.wire.snapshot() if enable is None else self.wire.enable(enable)
 
     def admit(self, rows):
         """Make the entering requests' caches from their longest cached prefixes (this rank's heads);
@@ -145,10 +161,6 @@ class TargetShard:
         """Evict the colocated draft's cached prefixes down to `room` bytes."""
         return self.draft.fit(room)
 
-    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:
-        """Rewind each (request id, length); this shard's cache length of each after it."""
-        return self.pool.rewind(rows)
-
     def release(self, request_ids: Sequence[str]) -> None:
         self.pool.release(request_ids)
         if self.draft is not None:
@@ -160,7 +172,7 @@ class TargetShard:
         """The colocated draft's proposals (same contract as `DraftWorker.propose`)."""
         if self.draft is None:
             raise RuntimeError(f"shard {self.rank} hosts no draft")
-        return self.draft.propose(rows)
+        return self.wire.record("propose", rows, self.draft.propose(rows))
 
     def ready(self) -> str:
         return self.draft.ready() if self.draft is not None else "target"

@@ -70,7 +70,7 @@ def interleaved(config: BenchConfig, name: str, tp: int, placement: str, pair: P
                 results: Results) -> None:
     """The Ray methods and the pair, prompt by prompt."""
     pair_method = Specdec(f"specdec-auto (pair of {name})", pair.get(), "auto")
-    ray_engine = _start(config, tp, placement)
+    ray_engine = _start(config, tp, placement, pair)
     try:
         methods = [pair_method] + _methods(name, placement, ray_engine, pair_method.name, results)
         results.measure(methods, prompt_ids, config.sampling, f"bench {name}", config.warmup)
@@ -89,7 +89,7 @@ def before_after(config: BenchConfig, name: str, tp: int, placement: str, pair: 
     methods: list[Specdec] = []
     failure = None
     try:
-        ray_engine = _start(config, tp, placement)
+        ray_engine = _start(config, tp, placement, pair)
         try:
             methods = _methods(name, placement, ray_engine, pair_name, results)
             results.measure(methods, prompt_ids, config.sampling, f"bench {name}", config.warmup)
@@ -109,13 +109,14 @@ def before_after(config: BenchConfig, name: str, tp: int, placement: str, pair: 
         raise failure
 
 
-def _start(config: BenchConfig, tp: int, placement: str):
+def _start(config: BenchConfig, tp: int, placement: str, pair: Pair):
+    """The Ray engine at its pair's settings (target precision, linear kernel, draft precision), so
+    its rows compare the same model computed the same way; tensor-parallel shards choose their
+    kernel for their own slice of the weights."""
     from actors import RayEngineConfig, RolePlacement, build_ray_engine
 
     threads = config.num_threads or torch.get_num_threads()
-    engine_config = EngineConfig(target=config.target, draft=config.draft, num_speculative_tokens="auto",
-                                 max_speculative_tokens=config.max_speculative_tokens,
-                                 linear_kernel="onednn" if tp == 1 else "auto")
+    engine_config = dataclasses.replace(pair.config, linear_kernel=pair.config.linear_kernel if tp == 1 else "auto")
     return build_ray_engine(RayEngineConfig(
         engine=engine_config, tp=tp, draft_placement=placement,
         draft_role=RolePlacement(num_threads=threads),

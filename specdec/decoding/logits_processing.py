@@ -21,6 +21,7 @@ Then temperature, top-k and top-p (`sampling.warp_logits`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -49,9 +50,9 @@ def process(logits: torch.Tensor, sampling: SamplingParams, prefix: Sequence[int
         scores = RepetitionPenaltyLogitsProcessor(float(sampling.repetition_penalty))(ids, scores)
     output = prefix[sampling.prompt_length:]
     if (sampling.frequency_penalty or sampling.presence_penalty) and len(output):
-        ids, counts = torch.unique(torch.tensor(list(output), dtype=torch.long), return_counts=True)
-        keep = ids < vocab
-        ids, counts = ids[keep].to(scores.device), counts[keep].to(scores.device, scores.dtype)
+        seen = Counter(t for t in output if t < vocab)  # counted on the host, sent once to the logits' device
+        ids = torch.tensor(list(seen), dtype=torch.long, device=scores.device)
+        counts = torch.tensor(list(seen.values()), dtype=scores.dtype, device=scores.device)
         scores[0, ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
     held = len(output) < sampling.min_tokens
     if held:

@@ -101,9 +101,20 @@ def gumbel_noise(seed: int, position: int, token_ids: torch.Tensor) -> torch.Ten
 _SPARSE_SUPPORT = 0.125
 
 
-def gumbel_argmax(scores: torch.Tensor, seed: int, position: int) -> int:
+def defers_sync(device: torch.device) -> bool:
+    """Whether chosen tokens stay on `device` until one host sync reads a batch of them: off the CPU,
+    where each read of a single token would stall the device; on the CPU reads cost nothing."""
+    return torch.device(device).type != "cpu"
+
+
+def gumbel_argmax(scores: torch.Tensor, seed: int, position: int, on_device: bool = False) -> int | torch.Tensor:
     """argmax(scores + G) for one position's warped scores `[vocab]` (-inf outside the support):
-    a draw from softmax(scores)."""
+    a draw from softmax(scores). `on_device`: a 0-d tensor, with no host sync (the noise over the
+    whole vocabulary: the same token, since each token's noise depends on its id alone); else an int,
+    with the noise drawn for a small support only (cheaper on a CPU, where syncs cost nothing)."""
+    if on_device:
+        ids = torch.arange(scores.numel(), device=scores.device)
+        return (scores.double() + gumbel_noise(seed, position, ids)).argmax()
     support = torch.isfinite(scores)
     count = int(support.sum())
     if count == 1:
@@ -117,12 +128,12 @@ def gumbel_argmax(scores: torch.Tensor, seed: int, position: int) -> int:
     return index
 
 
-def draw(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from one position's probabilities `[vocab]` with a uniform `u` in (0, 1)."""
+def draw(probs: torch.Tensor, u: float, on_device: bool = False) -> int | torch.Tensor:
+    """Inverse-CDF draw from one position's probabilities `[vocab]` with a uniform `u` in (0, 1)
+    (`on_device`: a 0-d tensor, with no host sync)."""
     cdf = torch.cumsum(probs.double(), 0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64,
-                                                     device=cdf.device), right=True)[0])
-    return min(index, probs.numel() - 1)
+    index = torch.searchsorted(cdf, cdf[-1:] * u, right=True)[0].clamp(max=probs.numel() - 1)
+    return index if on_device else int(index)
 
 
 #: Top-p looks at this many of the most likely tokens first (more, 4x at a time, if they hold less than top_p).
@@ -176,17 +187,20 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def choose(logits: torch.Tensor, sampling: SamplingParams, position: int, purpose: str = "draft",
-           prefix: Sequence[int] = ()) -> tuple[int, torch.Tensor | None]:
+           prefix: Sequence[int] = (), on_device: bool = False) -> tuple[int | torch.Tensor, torch.Tensor | None]:
     """One token from one position's logits `[1, vocab]` the way the request samples: argmax
     (greedy), Gumbel-max with the position's noise (invariant), or an inverse-CDF draw with the
     (purpose, position) uniform (residual), after the request's logits processing from `prefix`
     (the tokens before the position; only read when the request processes logits). Returns the
-    column and, for residual, the `[vocab]` distribution it was drawn from (verification needs q)."""
+    column and, for residual, the `[vocab]` distribution it was drawn from (verification needs q).
+    `on_device`: the column as a 0-d tensor on the logits' device, read later with the batch's other
+    rows in one host sync (`ModelProposer.propose_batch` on a GPU); the same column either way."""
     logits = process(logits, sampling, prefix)
     if sampling.greedy:
-        return int(logits[0].argmax()), None
+        index = logits[0].argmax()
+        return (index if on_device else int(index)), None
     if sampling.speculative_sampling == "invariant":
-        return gumbel_argmax(warp_logits(logits, sampling)[0], sampling.seed, position), None
+        return gumbel_argmax(warp_logits(logits, sampling)[0], sampling.seed, position, on_device), None
     probs = logits_to_probs(logits, sampling)[0]
-    return draw(probs, uniform(sampling.seed, purpose, position)), probs
+    return draw(probs, uniform(sampling.seed, purpose, position), on_device), probs
 

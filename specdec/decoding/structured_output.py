@@ -222,7 +222,7 @@ class Grammar:
             self._pool.move_to_end(key)
             self._sync(m, output)
             if m.matcher.is_stopped():
-                mask = torch.zeros(self.size, dtype=torch.bool)
+                mask = torch.zeros(self.size, dtype=torch.bool, device="cpu")  # on the host, as llguidance's
                 mask[self.eos] = True
                 return mask
             mask = _unpack(torch.frombuffer(bytearray(m.matcher.compute_bitmask()), dtype=torch.int32), self.size)
@@ -299,7 +299,7 @@ def _unpack(bits: torch.Tensor, size: int) -> torch.Tensor:
     """llguidance's bitmask (int32 words, bit i of word w = token 32w+i) -> `[size]` bool."""
     import torch
 
-    mask = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
+    mask = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bits.device)) & 1).bool().flatten()
     if mask.numel() < size:
         mask = torch.cat([mask, mask.new_zeros(size - mask.numel())])
     return mask[:size]

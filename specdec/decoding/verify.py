@@ -28,7 +28,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.decoding.logits_processing import process
-from specdec.decoding.sampling import draw, gumbel_argmax, uniform, warp_logits
+from specdec.decoding.sampling import defers_sync, draw, gumbel_argmax, uniform, warp_logits
 from specdec.decoding.stats import TokenLogprob
 
 
@@ -114,7 +114,7 @@ def verify_sampled(
         return VerifyResult(0, 0, [draw(row(0), uniform(seed, "resample", position))])
     for j, x in enumerate(draft_token_ids):
         p = row(j)
-        q_x = draft_probs[j, int(x)] if draft_probs is not None else torch.ones((), dtype=p.dtype)
+        q_x = draft_probs[j, int(x)] if draft_probs is not None else torch.ones((), dtype=p.dtype, device=p.device)
         if not uniform(seed, "accept", position + j) < float(accept_probability(p[int(x)], q_x)):
             if draft_probs is not None:
                 q = draft_probs[j]
@@ -179,9 +179,16 @@ def verify_invariant(
     Rows are warped and noised only up to the first mismatch."""
     scores = target_logits if callable(target_logits) else RowScores(target_logits, sampling, (), draft_token_ids)
     k = len(draft_token_ids)
+    if k and defers_sync(scores(0).device):  # every position on the device, read in one host sync
+        picks = torch.stack([gumbel_argmax(scores(j), sampling.seed, position + j, on_device=True)
+                             for j in range(k + 1)]).tolist()
+        choice = picks.__getitem__
+    else:  # on the CPU a sync costs nothing: noise only up to the first mismatch
+        def choice(j):
+            return gumbel_argmax(scores(j), sampling.seed, position + j)
     out: list[int] = []
     for j in range(k + 1):
-        out.append(gumbel_argmax(scores(j), sampling.seed, position + j))
+        out.append(choice(j))
         if j == k or out[-1] != int(draft_token_ids[j]):
             break
     return VerifyResult(k, len(out) - 1, out)

@@ -17,11 +17,13 @@ from typing import Protocol, Union
 import torch
 
 from specdec.decoding.proposers import Proposal
-from specdec.engine.pools import AdmitRow, DraftRow, PrefixUsage, TargetRow
+from specdec.decoding.verify import VerifyResult
+from specdec.engine.pools import AdmitRow, DraftRow, ForwardReply, PrefixUsage, TargetRow
 
 #: One row of a verify forward: the target's argmax ids `[num_logits]` (a row that asked for
-#: `TargetRow.argmax_only`) or its float32 logits `[num_logits, vocab]`.
-TargetOutput = Union[list[int], torch.Tensor]
+#: `TargetRow.argmax_only`), the proposal's `VerifyResult` (a row with `TargetRow.verify`), or its
+#: float32 logits `[num_logits, vocab]` (prompt log-probabilities).
+TargetOutput = Union[list[int], VerifyResult, torch.Tensor]
 #: One row's slot of a batched target call: its output, or the exception that failed it alone.
 TargetResult = Union[TargetOutput, Exception]
 #: One row's slot of a batched draft call: its proposal, or the exception that failed it alone.
@@ -49,11 +51,10 @@ class TargetBackend(Protocol):
     def fit(self, room: int) -> PrefixUsage:
         """Evict cached prefixes down to `room` bytes (over every shard); what they hold then."""
 
-    def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], list[TargetResult]]:
-        """One batched forward; per row its `TargetOutput` or the exception that failed it."""
-
-    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[list[int]]:
-        """Rewind each (request id, length); per row, the cache length on each shard afterwards."""
+    def submit_forward(self, rows: Sequence[TargetRow]) -> Callable[[], ForwardReply]:
+        """One batched forward; per row its `TargetOutput` (or the exception that failed it) and its
+        cache length on each shard. Each row's cache first drops what its last step rejected (to
+        `expected_length`): there is no rewind call."""
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Free these requests' caches."""

@@ -20,6 +20,8 @@ room the engine's KV budget leaves them (`fit`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,28 @@ class TargetRow:
     # Return the argmax ids `[num_logits]` instead of the logits (`verify.argmax_only`: the verify
     # needs nothing else, so a remote shard sends no logits).
     argmax_only: bool
+    # Verify the proposal here, where the logits are, and return its `VerifyResult` (token ids and,
+    # when asked, log-probabilities) instead of `[num_logits, vocab]` logits.
+    verify: "VerifySpec | None" = None
+
+
+@dataclass
+class ForwardReply:
+    """A batched target forward's answer: per row its result (`TargetPool.forward`; None on a
+    tensor-parallel rank other than 0) and its cache length on each shard when the forward began
+    (after dropping the previous step's rejected tokens; shards must agree)."""
+
+    results: list | None
+    cache_lengths: list[list[int]]  # [row][shard]
+
+
+@dataclass
+class VerifySpec:
+    """What verifying a row's proposal needs besides the target's logits: `token_ids[1:]` are the
+    proposed tokens, the committed tokens are in the request's cache (`verify.verify_proposal`)."""
+
+    sampling: SamplingParams  # made concrete (a seed and a mode)
+    draft_probs: torch.Tensor | None = None  # q `[K, vocab]` (residual sampling only)
 
 
 @dataclass
@@ -95,15 +119,21 @@ class TargetPool:
             return PrefixUsage(0, 0)
         return PrefixUsage(self.prefixes.fit(room), self.prefixes.evictions, self.prefixes.hit_tokens)
 
-    def forward(self, rows: Sequence[TargetRow]) -> list[list[int] | torch.Tensor | RowError]:
-        """Per row: `[num_logits]` argmax ids (`argmax_only`), `[num_logits, vocab]` float32 logits on
-        the CPU, or a `RowError`."""
+    def forward(self, rows: Sequence[TargetRow]) -> "ForwardReply":
+        """Per row: `[num_logits]` argmax ids (`argmax_only`), the proposal's `VerifyResult` (a row
+        with `verify`), `[num_logits, vocab]` float32 logits on the CPU, or a `RowError`; and each
+        row's cache length when the forward began. The last step's rejected tokens are dropped here,
+        first (the rewind rides on the next forward: no call of its own)."""
         results: list = [None] * len(rows)
+        lengths: list[list[int]] = []
         live = []
         for i, row in enumerate(rows):
             cache = self.caches.get(row.request_id)
             if cache is None:
                 cache = self.caches[row.request_id] = self.runner.new_cache()
+            if len(cache) > row.expected_length:
+                cache.rewind(row.expected_length)
+            lengths.append([len(cache)])
             if len(cache) != row.expected_length:
                 results[i] = RowError(f"cache of request {row.request_id} holds {len(cache)} tokens, the "
                                       f"scheduler expects {row.expected_length}")
@@ -116,18 +146,27 @@ class TargetPool:
             logits = self.runner.forward([self.caches[rows[i].request_id] for i in live],
                                                [rows[i].token_ids for i in live], [rows[i].num_logits for i in live])
             for i, row_logits in zip(live, logits):
-                results[i] = row_logits.argmax(dim=-1).tolist() if rows[i].argmax_only else row_logits.cpu()
-        return results
+                row = rows[i]
+                if row.argmax_only:
+                    results[i] = row_logits.argmax(dim=-1).tolist()
+                elif row.verify is not None:
+                    results[i] = self._verify(row, row_logits)
+                else:
+                    results[i] = row_logits.cpu()
+        return ForwardReply(results, lengths)
 
-    def rewind(self, rows: Sequence[tuple[str, int]]) -> list[int]:
-        """Rewind each (request id, length); the cache lengths after it."""
-        lengths = []
-        for request_id, length in rows:
-            cache = self.caches.get(request_id)
-            if cache is not None:
-                cache.rewind(min(length, len(cache)))
-            lengths.append(len(cache) if cache is not None else 0)
-        return lengths
+    def _verify(self, row: TargetRow, logits: torch.Tensor):
+        """The row's `VerifyResult`, from its logits on their device; a `RowError` if it fails."""
+        from specdec.decoding import verify
+
+        position = row.expected_length + 1  # the committed length: the cache held all but the last
+        spec = row.verify
+        q = spec.draft_probs.to(logits.device) if spec.draft_probs is not None else None
+        try:
+            return verify.verify_proposal(row.token_ids[1:], q, logits, spec.sampling, position,
+                                          self.caches[row.request_id].token_ids[:position])
+        except Exception as e:  # noqa: BLE001 - this request's processing failed; the batch goes on
+            return RowError(f"{type(e).__name__}: {e}")
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -144,7 +183,7 @@ class TargetPool:
 @dataclass
 class DraftRow:
     request_id: str
-    context_token_ids: list[int]
+    context_token_ids: list[int]  # the context from position `context_start` on
     num_tokens: int
     sampling: SamplingParams
     # A proposal that costs no draft forward (a prompt-lookup match, `HybridProposer`) may be this long.
@@ -152,6 +191,31 @@ class DraftRow:
     cache_limit: int | None = None  # the most tokens its draft cache may hold (its KV reservation)
     cache_salt: str = ""  # only prefixes of the same salt are found
     reuse: bool = True  # start a new draft state from a cached prefix
+    # The context's first `context_start` tokens are those of the request's last row here (a remote
+    # draft is sent only what changed: `as_delta`).
+    context_start: int = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix (list slices compare in C: a bisection of them)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def as_delta(row: DraftRow, sent: list[int] | None) -> DraftRow:
+    """`row` with only the context past what it shares with `sent` (the context last sent for the
+    request; None: nothing sent, the whole context goes)."""
+    start = common_prefix(sent, row.context_token_ids) if sent else 0
+    return dataclasses.replace(row, context_token_ids=row.context_token_ids[start:], context_start=start)
 
 
 class DraftPool:
@@ -159,6 +223,7 @@ class DraftPool:
         self.proposer = proposer
         self.device = torch.device(device)
         self.states: dict[str, object] = {}
+        self.contexts: dict[str, list[int]] = {}  # request id -> its last row's whole context
         # A draft model's states are KV caches (n-gram lookup keeps none).
         self.prefixes = PrefixCache() if prefix_caching and proposer.per_token else None
 
@@ -189,23 +254,45 @@ class DraftPool:
         batch fails, each row is proposed alone, so a row whose own input fails (a bias, a grammar)
         gets its error in its slot and the others their proposals (a state re-syncs to its context
         on its next call, so a half-advanced one is harmless)."""
-        try:
-            proposals = self._propose(rows)
-        except Exception as batch_error:  # noqa: BLE001
-            if len(rows) == 1:
-                raise
-            proposals = []
-            for row in rows:
-                try:
-                    proposals.extend(self._propose([row]))
-                except Exception as e:  # noqa: BLE001 - this row alone fails
-                    proposals.append(RowError(f"{type(e).__name__}: {e}"))
-            if all(isinstance(p, RowError) for p in proposals):
-                raise batch_error
-        for p in proposals:
-            if not isinstance(p, RowError) and p.probs is not None:
-                p.probs = p.probs.cpu()
-        return proposals
+        out: list = [None] * len(rows)
+        whole = []
+        for i, row in enumerate(rows):
+            full = self._context(row)
+            if isinstance(full, RowError):
+                out[i] = full
+            else:
+                whole.append((i, row if row.context_start == 0 else
+                              dataclasses.replace(row, context_token_ids=full, context_start=0)))
+        if whole:
+            try:
+                proposals = self._propose([row for _, row in whole])
+            except Exception as batch_error:  # noqa: BLE001
+                if len(whole) == 1 and len(rows) == 1:
+                    raise
+                proposals = []
+                for _, row in whole:
+                    try:
+                        proposals.extend(self._propose([row]))
+                    except Exception as e:  # noqa: BLE001 - this row alone fails
+                        proposals.append(RowError(f"{type(e).__name__}: {e}"))
+                if all(isinstance(p, RowError) for p in proposals) and len(whole) == len(rows):
+                    raise batch_error
+            for (i, _), p in zip(whole, proposals):
+                out[i] = p  # q stays on the draft's device: in process it goes to the target's as is
+        return out
+
+    def _context(self, row: DraftRow) -> list[int] | RowError:
+        """The row's whole context (from its delta and the request's last one), kept for the next."""
+        if row.context_start == 0:
+            full = list(row.context_token_ids)
+        else:
+            last = self.contexts.get(row.request_id)
+            if last is None or len(last) < row.context_start:
+                return RowError(f"request {row.request_id}: a context from position {row.context_start} but "
+                                f"{'none' if last is None else len(last)} tokens held here (the draft restarted?)")
+            full = last[:row.context_start] + list(row.context_token_ids)
+        self.contexts[row.request_id] = full
+        return full
 
     def _propose(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         states = [self._state(r) for r in rows]
@@ -214,6 +301,7 @@ class DraftPool:
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
+            self.contexts.pop(request_id, None)
             state = self.states.pop(request_id, None)
             if self.prefixes is not None:
                 self.prefixes.release(request_id, state)

@@ -30,7 +30,9 @@ class StreamChunk:
     # On the first chunk of a request that asked for `prompt_logprobs`: one per prompt token (the
     # first one's logprob is NaN: nothing comes before it).
     prompt_logprobs: list[TokenLogprob] | None = None
-    cache_lengths: list[int] | None = None  # target cache length per shard after the step's rewind (Ray engine)
+    # The target cache's length on each shard when the step's forward began (after dropping what the
+    # step before rejected): the committed length before this step, minus one.
+    cache_lengths: list[int] | None = None
 
 
 @dataclass

@@ -16,15 +16,18 @@ One step over the running batch B (each row has its own committed length and K):
    (`speculation_length.AutoK`), clamped to max_tokens and the context;
 2. one batched draft call for the rows that draft (a draft model runs one forward over all of them
    per draft position; n-gram lookup is per row) — rows holding a pre-drafted block use it instead;
-3. one batched target forward over every row's `[last committed, d1..dK]`;
+3. one batched target forward over every row's `[last committed, d1..dK]`, which first drops each
+   cache's tokens past its committed length minus one (what the last step rejected: the rewind rides
+   on this forward) and verifies each proposal where the logits are (`verify.py`, on the target's
+   device; rank 0 of a tensor-parallel group): only token ids come back, and logits never leave the
+   device but for prompt log-probabilities;
 4. (pipelining, a draft that runs beside the target) while the target verifies, the draft already
    drafts each row's next block assuming this one is accepted whole (PEARL, arXiv 2408.11850);
-5. per row: acceptance (`verify.py`), commit through the stopping rules (`request_state.py`), then one
-   batched rewind of the target caches to each row's committed length minus one (the draft rewinds
-   lazily, at its next proposal, to the prefix it shares with the committed context).
+5. per row: commit through the stopping rules (`request_state.py`) (the draft rewinds lazily too, at
+   its next proposal, to the prefix it shares with the committed context).
 
 `_step` reads as that list: `plan_step` (K per row within the token budget), `_propose`,
-`_submit_verify`, `_pre_draft`, `_verify`, `_commit_and_rewind`, `_collect_pre_drafts`, then
+`_submit_verify`, `_pre_draft`, `_verify`, `_commit`, `_collect_pre_drafts`, then
 `_observe` hands the step's numbers once to the cost model, each request's stats and K policy
 (`KPolicy`), and its `RequestObserver` (metrics), and `_emit` streams the chunks. The state moving
 between phases is one `specdec.engine.step.Step`; the backends are typed seams
@@ -51,7 +54,7 @@ from specdec.decoding.sampling import make_concrete
 from specdec.decoding.speculation_length import CostModel, KPolicy, choose_ks, make_policy
 from specdec.engine.backends import DraftBackend, TargetBackend, TargetResult
 from specdec.engine.budget import KVBudget
-from specdec.engine.pools import AdmitRow, DraftRow, TargetRow
+from specdec.engine.pools import AdmitRow, DraftRow, TargetRow, VerifySpec
 from specdec.engine.prompt import PromptResolver
 from specdec.engine.request import Cancelled, GenerationRequest, RequestTimeout
 from specdec.engine.request_state import RequestState, StreamChunk
@@ -278,7 +281,7 @@ class Scheduler:
         results: list[TargetResult] = []
         if rows:
             try:
-                results = self.target.submit_forward(rows)()
+                results = self.target.submit_forward(rows)().results
             except Exception as e:  # noqa: BLE001 - these requests' prefill failed; the batch goes on
                 self._fatal_or_fail([item for item, _ in items], e)
                 return
@@ -322,8 +325,7 @@ class Scheduler:
         self._pre_draft(step)
         if not self._verify(step, wait_target):
             return
-        if not self._commit_and_rewind(step):
-            return
+        self._commit(step)
         self._collect_pre_drafts(step)
         step.finished = time.perf_counter()
         self._observe(step)
@@ -372,14 +374,23 @@ class Scheduler:
     def _submit_verify(self, step: Step):
         """Send every row's `[last committed, d1..dK]` to the target in one batched forward."""
         step.verify_started = time.perf_counter()
-        step.rows = [TargetRow(item.request_id, [item.state.token_ids[-1]] + p.token_ids, len(p) + 1,
-                               len(item.state.token_ids) - 1, verify.argmax_only(item.state.sampling))
-                     for item, p in zip(step.batch, step.proposals)]
+        step.rows = [self._verify_row(item, p) for item, p in zip(step.batch, step.proposals)]
         try:
             return self.target.submit_forward(step.rows)
         except Exception as e:  # noqa: BLE001
             self._fatal_or_fail(step.batch, e)
             return None
+
+    @staticmethod
+    def _verify_row(item: ScheduledRequest, p: Proposal) -> TargetRow:
+        """`[last committed, d1..dK]`, verified where the target's logits are: a row that needs only
+        the argmax gets the ids, any other its `VerifyResult` (`TargetPool.forward`)."""
+        sampling = item.state.sampling
+        argmax = verify.argmax_only(sampling)
+        spec = None if argmax else VerifySpec(sampling, p.probs if not sampling.greedy and
+                                              sampling.speculative_sampling == "residual" else None)
+        return TargetRow(item.request_id, [item.state.token_ids[-1]] + p.token_ids, len(p) + 1,
+                         len(item.state.token_ids) - 1, argmax, spec)
 
     def _pre_draft(self, step: Step) -> None:
         """While the target verifies, draft each pipelined row's next block as if this one is accepted
@@ -400,42 +411,32 @@ class Scheduler:
     def _verify(self, step: Step, wait_target: Callable[[], list[TargetResult]]) -> bool:
         """Accept each row's longest valid prefix: exactly (greedy) or by rejection sampling."""
         try:
-            outputs = wait_target()
+            reply = wait_target()
         except Exception as e:  # noqa: BLE001
             self._fatal_or_fail(step.batch, e)
             return False
         step.verified = time.perf_counter()
+        outputs, step.cache_lengths = reply.results, dict(enumerate(reply.cache_lengths))
         for i, (item, p, out) in enumerate(zip(step.batch, step.proposals, outputs)):
             if isinstance(out, Exception):
                 self._finish(item, out)
                 continue
             state = item.state
             try:
-                step.results[i] = verify.verify_proposal(p.token_ids, p.probs, out, state.sampling,
-                                                         len(state.token_ids), state.token_ids)
+                step.results[i] = out if isinstance(out, verify.VerifyResult) else verify.verify_proposal(
+                    p.token_ids, p.probs, out, state.sampling, len(state.token_ids), state.token_ids)
             except Exception as e:  # noqa: BLE001 - this request's processing failed; the batch goes on
                 self._finish(item, e)
                 continue
             step.verified_rows.append(i)
         return True
 
-    def _commit_and_rewind(self, step: Step) -> bool:
-        """Commit each row's tokens through its stopping rules, then rewind the target caches to each
-        unfinished row's committed length minus one (the next step's input)."""
+    def _commit(self, step: Step) -> None:
+        """Commit each row's tokens through its stopping rules. Its target cache keeps the step's
+        rejected tokens until the next forward drops them (`TargetPool.forward`)."""
         for i in step.verified_rows:
             step.chunks[i] = step.batch[i].state.commit(step.results[i].token_ids, step.results[i].logprobs)
             step.chunks[i].num_proposed = len(step.proposals[i])
-        rewind = [i for i in step.verified_rows if not step.batch[i].state.finished]
-        if not rewind:
-            return True
-        try:
-            got = self.target.rewind([(step.batch[i].request_id, len(step.batch[i].state.token_ids) - 1)
-                                      for i in rewind])
-        except Exception as e:  # noqa: BLE001
-            self._fatal_or_fail([step.batch[i] for i in step.verified_rows], e)
-            return False
-        step.cache_lengths = dict(zip(rewind, got))
-        return True
 
     def _collect_pre_drafts(self, step: Step) -> None:
         """Keep a pre-drafted block where the whole proposal was accepted and it guessed the bonus token."""

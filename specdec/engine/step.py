@@ -110,7 +110,9 @@ class Step:
     results: list[VerifyResult | None] = field(default_factory=list)  # [num_rows] None: the row failed
     verified_rows: list[int] = field(default_factory=list)  # rows whose verification succeeded
     chunks: dict[int, StreamChunk] = field(default_factory=dict)
-    cache_lengths: dict[int, list[int]] = field(default_factory=dict)  # row -> target cache length per shard
+    # row -> its target cache length on each shard when this step's forward began (the committed
+    # length before the step, minus one: what the last step rejected was dropped first)
+    cache_lengths: dict[int, list[int]] = field(default_factory=dict)
     pre_drafting_rows: list[int] = field(default_factory=list)  # rows drafting their next block during the verify
     wait_pre_draft: Callable[[], list[DraftResult]] | None = None
     pre_drafts: dict[int, tuple[bool, Proposal | None]] = field(default_factory=dict)  # row -> (hit, block)
@@ -130,8 +132,8 @@ class Step:
                         num_committed=len(chunk.token_ids), verify_seconds=verify_seconds,
                         draft_seconds=self.draft_seconds if self.drafted[i] else None,
                         draft_failures=draft_failures_now - self.failures_before[i])
-        if i in self.cache_lengths:
-            info.target_cache_tokens = self.cache_lengths[i][0]
+        if not self.batch[i].state.finished:  # its cache keeps all it committed but the last (the next input)
+            info.target_cache_tokens = len(self.batch[i].state.token_ids) - 1
             info.target_rewound_tokens = (len(self.rows[i].token_ids) + self.rows[i].expected_length
                                           - info.target_cache_tokens)
         if self.drafted[i]:

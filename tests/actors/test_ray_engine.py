@@ -155,15 +155,15 @@ def test_text_prompts_stop_strings_and_streaming(ray_engines, in_process):
     assert "".join(c.text for c in chunks) == out.text
 
 
-def test_every_shard_cache_equals_committed_length_after_each_step(ray_engines):
+def test_every_shard_cache_holds_the_committed_length_at_each_step(ray_engines):
     engine = ray_engines(2, True)
     committed = len(PROMPTS[0])
     steps_with_rejection = 0
     for chunk in engine.generate_stream(prompt_token_ids=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS)):
+        # When the step's forward began each shard held every committed token but the last (the
+        # step's first input): the rejected tokens of the step before were dropped by that forward.
+        assert chunk.cache_lengths == [committed - 1, committed - 1]
         committed += len(chunk.token_ids)
-        if chunk.finish_reason is None:
-            # After the rewind each shard holds every committed token but the last (the next input).
-            assert chunk.cache_lengths == [committed - 1, committed - 1]
         if chunk.num_proposed and len(chunk.token_ids) <= chunk.num_proposed:
             steps_with_rejection += 1
     assert steps_with_rejection > 0

@@ -189,14 +189,15 @@ def test_unrenormalized_draft_q_is_detected(small_vocab_pair, monkeypatch):
     softmax (mass outside the kept set), must fail the same test."""
     kept_ids = {}
 
-    def leaky_choose(logits, sampling, position, purpose="draft", prefix=()):
+    def leaky_choose(logits, sampling, position, purpose="draft", prefix=(), on_device=False):
         finite = torch.isfinite(logits)
         leaked = torch.where(finite, logits, logits[finite].min() + 2.0)  # the excluded tokens keep some mass
         q = specdec.decoding.sampling.logits_to_probs(leaked, sampling)[0]
         mask = torch.zeros_like(q)
         mask[kept_ids["ids"]] = 1.0
         restricted = q * mask / (q * mask).sum()  # drawn from the kept tokens, reported as the full q
-        return specdec.decoding.sampling.draw(restricted, specdec.decoding.sampling.uniform(sampling.seed, purpose, position)), q
+        u = specdec.decoding.sampling.uniform(sampling.seed, purpose, position)
+        return specdec.decoding.sampling.draw(restricted, u, on_device), q
 
     monkeypatch.setattr(specdec.decoding.proposers.model, "choose", leaky_choose)
     from tests.distribution import VOCAB

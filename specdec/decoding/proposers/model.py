@@ -16,7 +16,7 @@ from specdec.config import SamplingParams
 from specdec.models.kv_cache import KVCache
 from specdec.models.model_runner import ModelRunner
 from specdec.decoding.proposers.base import Proposal
-from specdec.decoding.sampling import choose
+from specdec.decoding.sampling import choose, defers_sync
 
 
 class DraftModelProposer:
@@ -26,6 +26,10 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.device = runner.device
+        # Off the CPU, each row's token stays on the device until one sync per position reads the
+        # batch's (`sampling.choose(on_device=True)`); on the CPU a sync costs nothing and the sparse
+        # Gumbel path is cheaper.
+        self.defer_sync = defers_sync(self.device)
 
     def new_state(self, limit: int | None = None) -> KVCache:
         return self.runner.new_cache(limit)
@@ -59,13 +63,17 @@ class DraftModelProposer:
         feed = [catchups[i] if wanted[i] else [] for i in range(len(states))]
         for _ in range(max(wanted, default=0)):
             logits = self.runner.forward(states, feed, [1] * len(states))
+            chosen = {}  # row -> its token (an int; a 0-d device tensor when deferred)
             for i, row_logits in enumerate(logits):
                 if row_logits is None:
                     continue
-                token, p = choose(row_logits, samplings[i], len(contexts[i]) + len(tokens[i]),
-                                  prefix=_prefix(samplings[i], contexts[i], tokens[i]))
+                chosen[i], p = choose(row_logits, samplings[i], len(contexts[i]) + len(tokens[i]),
+                                      prefix=_prefix(samplings[i], contexts[i], tokens[i]), on_device=self.defer_sync)
                 if p is not None:
                     probs[i].append(p)
+            if self.defer_sync and chosen:  # one host sync per position for the whole batch
+                chosen = dict(zip(chosen, torch.stack(list(chosen.values())).tolist()))
+            for i, token in chosen.items():
                 tokens[i].append(token)
                 # The last proposed token is not fed: the cache holds the context + the first K-1.
                 feed[i] = [token] if len(tokens[i]) < wanted[i] else []
