@@ -31,14 +31,24 @@ What we took from libraries, and why not more:
   table per request) would remove the amortised copy a growing buffer makes; with per-request
   buffers that copy is O(1) amortised per token already, so it is left for a GPU backend.
 
-The attention backend is one function chosen by device: a GPU backend takes the same `FlatBatch`
-(its `query_start_loc` and `cached_lens` are exactly varlen flash-attention's `cu_seqlens_q` and
-`seqused_k`) and replaces the per-row loop with one kernel call.
+The attention path is chosen by device (`VARLEN_KERNELS`). On the CPU, the per-row loop above. On
+CUDA, for half-precision models, one kernel call per layer for the whole batch: torch's
+`varlen_attn` (FlashAttention's varlen: `cu_seqlens` from `query_start_loc` and the rows' key
+lengths, causal aligned to the bottom right, `window_size=(window - 1, 0)` for sliding layers). It
+needs the rows' keys in one tensor, so each layer gathers them (one `cat` per layer: a copy the
+per-row loop avoids, paid to replace rows x layers small calls with layers calls; a paged pool with
+a block table would remove it). The first batch of each shape also runs the per-row path and
+compares: a kernel that fails or differs is logged and not used again for that shape, so an
+unverified kernel cannot change the output. `varlen_reference` is the contract in plain PyTorch,
+used to test all of this on the CPU (tests/specdec/test_varlen_attention.py); the CUDA kernel itself
+is checked by `benchmarks/gpu_check.py` on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import sys
 import threading
 from collections.abc import Sequence
@@ -52,6 +62,7 @@ from transformers.cache_utils import Cache
 from specdec.models.kv_cache import KVCache
 
 ATTENTION_NAME = "specdec_flat"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -178,10 +189,26 @@ def flat_attention(module, query, key, value, attention_mask, dropout: float = 0
     batch, original = state
     layer_idx = module.layer_idx
     batch.attended.add(layer_idx)
-    starts = batch.query_start_loc
     # Our SDPA call where the model's would be plain SDPA; else the model's own function per row.
     use_own = original == "sdpa" and softcap is None and kwargs.get("s_aux") is None \
         and getattr(module, "sinks", None) is None
+    for cache in batch.caches:
+        layer = cache.layers[layer_idx]
+        if sliding_window is not None and layer.window is None:
+            layer.window = int(sliding_window)
+    kernel = VARLEN_KERNELS.get(query.device.type) if use_own else None
+    if kernel is not None and query.dtype in kernel.dtypes:
+        out = _varlen(kernel, batch, module, layer_idx, query, scaling)
+        if out is not None:
+            return out, None
+    return _per_row(batch, module, layer_idx, query, use_own, original, scaling, dropout, sliding_window, softcap,
+                    **kwargs), None
+
+
+def _per_row(batch, module, layer_idx, query, use_own, original, scaling, dropout, sliding_window, softcap,
+             **kwargs) -> torch.Tensor:
+    """Each row's queries against its own cache, one attention call per row (the CPU's path)."""
+    starts = batch.query_start_loc
     eager = _eager_of(module) if original == "eager" else None
     outs = []
     for row, cache in enumerate(batch.caches):
@@ -189,8 +216,6 @@ def flat_attention(module, query, key, value, attention_mask, dropout: float = 0
         if e == s:
             continue
         layer = cache.layers[layer_idx]
-        if sliding_window is not None and layer.window is None:
-            layer.window = int(sliding_window)
         keys, values = layer.keys, layer.values  # [1, KVH, L, d]
         q = query[:, :, s:e]  # [1, H, n, d]
         if use_own:
@@ -208,7 +233,101 @@ def flat_attention(module, query, key, value, attention_mask, dropout: float = 0
             out, _ = sdpa_attention_forward(module, q, keys, values, mask, dropout=dropout, scaling=scaling,
                                             is_causal=False, softcap=softcap, **kwargs)
         outs.append(out)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+# ------------------------------------------------------------------ one call for the whole batch
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """Variable-length attention over packed rows (FlashAttention's varlen contract): `q [T, H, d]`,
+    `k/v [S, KVH, d]` with rows at `cu_q`/`cu_k` (int32 `[R + 1]`), each row's queries the last of
+    its keys (causal aligned to the bottom right), `left` keys of sliding window before each query
+    (-1: all) -> `[T, H, d]`."""
+
+    name: str
+    fn: object  # (q, k, v, cu_q, cu_k, max_q, max_k, scale, left) -> out
+    dtypes: tuple
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, left):
+    """The varlen contract in plain PyTorch, one SDPA per row: what a device's kernel is checked
+    against, and what tests run on the CPU to exercise the batched path."""
+    outs = []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(cu_q) - 1):
+        qi = q[cu_q[r]:cu_q[r + 1]].transpose(0, 1)[None]  # [1, H, n, d]
+        ki, vi = (x[cu_k[r]:cu_k[r + 1]].transpose(0, 1)[None] for x in (k, v))  # [1, KVH, L, d]
+        n, length = qi.shape[2], ki.shape[2]
+        query_at = torch.arange(length - n, length, device=q.device)[:, None]  # bottom-right aligned
+        key_at = torch.arange(length, device=q.device)[None, :]
+        allowed = key_at <= query_at
+        if left >= 0:
+            allowed &= query_at - key_at <= left
+        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed[None, None], scale=scale,
+                                             enable_gqa=qi.shape[1] != ki.shape[1])
+        outs.append(out[0].transpose(0, 1))  # [n, H, d]
+    return torch.cat(outs)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, left):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, 0),
+                       enable_gqa=q.shape[1] != k.shape[1])
+
+
+#: The batched kernel per device type; a device without one runs the per-row loop (the CPU: its
+#: per-row calls read each cache in place, where a batched kernel needs the rows' keys gathered).
+#: torch's `varlen_attn` is FlashAttention: CUDA, half precision only.
+VARLEN_KERNELS: dict[str, VarlenKernel] = {
+    "cuda": VarlenKernel("flash-varlen", _flash_varlen, (torch.float16, torch.bfloat16)),
+}
+#: (kernel, dtype, heads, kv heads, head dim, window) -> whether the kernel matched the per-row path
+#: on its first batch (checked once per shape; a kernel that fails or differs is not used again).
+_checked: dict[tuple, bool] = {}
+_lock = threading.Lock()
+
+
+def _varlen(kernel: VarlenKernel, batch: FlatBatch, module, layer_idx: int, query, scaling) -> torch.Tensor | None:
+    """The whole batch's attention in one kernel call: `[1, T, H, d]`, or None where the kernel
+    is not (or no longer) trusted for this shape. The rows' keys/values are gathered into one packed
+    tensor per layer (one copy); the first batch of each shape is also run row by row and compared."""
+    starts = batch.query_start_loc
+    live = [row for row in range(batch.num_rows) if starts[row + 1] > starts[row]]  # rows with new tokens
+    layers = [batch.caches[row].layers[layer_idx] for row in live]
+    window = layers[0].window
+    _, num_heads, _, head_dim = query.shape
+    key = (kernel.name, query.dtype, num_heads, layers[0].keys.shape[1], head_dim, window)
+    if _checked.get(key) is False:
+        return None
+    lengths = [layer.keys.shape[-2] for layer in layers]
+    cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device)
+    cu_q = torch.tensor([starts[row] for row in live] + [starts[-1]], dtype=torch.int32, device=query.device)
+    max_q = max(starts[row + 1] - starts[row] for row in live)
+    keys = torch.cat([layer.keys[0].transpose(0, 1) for layer in layers])  # [S, KVH, d]
+    values = torch.cat([layer.values[0].transpose(0, 1) for layer in layers])
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    left = window - 1 if window is not None else -1
+    q = query[0].transpose(0, 1)  # [T, H, d]
+    try:
+        out = kernel.fn(q, keys, values, cu_q, cu_k, max_q, max(lengths), scale, left)[None]  # [1, T, H, d]
+    except Exception as e:  # noqa: BLE001 - an unsupported shape or build: the per-row path serves it
+        logger.warning("attention kernel %s failed for %s (%s: %s); rows are attended one by one", kernel.name,
+                       key, type(e).__name__, e)
+        _checked[key] = False
+        return None
+    if key not in _checked:
+        with _lock:
+            rows = _per_row(batch, module, layer_idx, query, True, "sdpa", scaling, 0.0, window, None)
+            tolerance = 1e-5 if query.dtype == torch.float32 else 2e-2
+            _checked[key] = bool(torch.allclose(out.float(), rows.float(), atol=tolerance, rtol=tolerance))
+            if not _checked[key]:
+                logger.warning("attention kernel %s differs from the per-row path for %s (max difference %.3g); "
+                               "rows are attended one by one", kernel.name, key, (out - rows).abs().max().item())
+                return rows
+    return out
 
 
 @functools.cache
