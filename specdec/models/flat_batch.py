@@ -38,8 +38,9 @@ lengths, causal aligned to the bottom right, `window_size=(window - 1, 0)` for s
 needs the rows' keys in one tensor, so each layer gathers them (one `cat` per layer: a copy the
 per-row loop avoids, paid to replace rows x layers small calls with layers calls; a paged pool with
 a block table would remove it). The first batch of each shape also runs the per-row path and
-compares: a kernel that fails or differs is logged and not used again for that shape, so an
-unverified kernel cannot change the output. `varlen_reference` is the contract in plain PyTorch,
+compares: a kernel that fails or differs there is logged and not used again for that shape (a
+guard against a kernel wrong in general: alignment, window, grouped heads; `gpu_check` is the
+full check). `varlen_reference` is the contract in plain PyTorch,
 used to test all of this on the CPU (tests/specdec/test_varlen_attention.py); the CUDA kernel itself
 is checked by `benchmarks/gpu_check.py` on a GPU.
 """
