@@ -162,9 +162,9 @@ class TargetPool:
         position = row.expected_length + 1  # the committed length: the cache held all but the last
         spec = row.verify
         q = spec.draft_probs.to(logits.device) if spec.draft_probs is not None else None
+        committed = self.caches[row.request_id].token_ids[:position] if spec.sampling.processes_logits else ()
         try:
-            return verify.verify_proposal(row.token_ids[1:], q, logits, spec.sampling, position,
-                                          self.caches[row.request_id].token_ids[:position])
+            return verify.verify_proposal(row.token_ids[1:], q, logits, spec.sampling, position, committed)
         except Exception as e:  # noqa: BLE001 - this request's processing failed; the batch goes on
             return RowError(f"{type(e).__name__}: {e}")
 
@@ -284,7 +284,7 @@ class DraftPool:
     def _context(self, row: DraftRow) -> list[int] | RowError:
         """The row's whole context (from its delta and the request's last one), kept for the next."""
         if row.context_start == 0:
-            full = list(row.context_token_ids)
+            full = row.context_token_ids  # the caller's own list (the scheduler's copy, or Ray's)
         else:
             last = self.contexts.get(row.request_id)
             if last is None or len(last) < row.context_start:

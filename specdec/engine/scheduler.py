@@ -54,7 +54,7 @@ from specdec.decoding.sampling import make_concrete
 from specdec.decoding.speculation_length import CostModel, KPolicy, choose_ks, make_policy
 from specdec.engine.backends import DraftBackend, TargetBackend, TargetResult
 from specdec.engine.budget import KVBudget
-from specdec.engine.pools import AdmitRow, DraftRow, TargetRow, VerifySpec
+from specdec.engine.pools import AdmitRow, DraftRow, ForwardReply, TargetRow, VerifySpec
 from specdec.engine.prompt import PromptResolver
 from specdec.engine.request import Cancelled, GenerationRequest, RequestTimeout
 from specdec.engine.request_state import RequestState, StreamChunk
@@ -408,7 +408,7 @@ class Scheduler:
                 self._draft_failed(step.batch[i], e)
             step.pre_drafting_rows = []
 
-    def _verify(self, step: Step, wait_target: Callable[[], list[TargetResult]]) -> bool:
+    def _verify(self, step: Step, wait_target: Callable[[], ForwardReply]) -> bool:
         """Accept each row's longest valid prefix: exactly (greedy) or by rejection sampling."""
         try:
             reply = wait_target()

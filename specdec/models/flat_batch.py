@@ -75,7 +75,8 @@ class FlatBatch:
     cached_lens: list[int]  # [num_rows] tokens each row's cache held before this forward
     position_ids: torch.Tensor  # [1, num_tokens] position of every packed token in its own row
     # Masks built this forward, shared by the layers that need the same one: (row, start, window) ->
-    # [1, 1, num_new, num_keys] bool, True where a query may attend, or None (no mask needed).
+    # [1, 1, num_new, num_keys] bool, True where a query may attend, or None (no mask needed); and
+    # the varlen kernel's (cu_q, cu_k) per rows' key lengths ("cu", lengths).
     masks: dict = field(default_factory=dict)
     # Layers whose keys were written and layers whose attention ran flat: they must match, or the
     # model computed attention some other way (on the new keys alone).
@@ -303,9 +304,12 @@ def _varlen(kernel: VarlenKernel, batch: FlatBatch, module, layer_idx: int, quer
     key = (kernel.name, query.dtype, num_heads, layers[0].keys.shape[1], head_dim, window)
     if _checked.get(key) is False:
         return None
-    lengths = [layer.keys.shape[-2] for layer in layers]
-    cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device)
-    cu_q = torch.tensor([starts[row] for row in live] + [starts[-1]], dtype=torch.int32, device=query.device)
+    lengths = tuple(layer.keys.shape[-2] for layer in layers)
+    if ("cu", lengths) not in batch.masks:  # made once per forward (per window), not per layer
+        batch.masks["cu", lengths] = (
+            torch.tensor([starts[row] for row in live] + [starts[-1]], dtype=torch.int32, device=query.device),
+            torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device))
+    cu_q, cu_k = batch.masks["cu", lengths]
     max_q = max(starts[row + 1] - starts[row] for row in live)
     keys = torch.cat([layer.keys[0].transpose(0, 1) for layer in layers])  # [S, KVH, d]
     values = torch.cat([layer.values[0].transpose(0, 1) for layer in layers])
