@@ -131,5 +131,8 @@ def test_int4_speculation_equals_hf_generate_with_the_same_int4_modules(smollm2_
         assert [o.token_ids for o in outs] == expected, (draft, k)
         alone = spec.generate(prompts[0], sampling=SamplingParams(max_tokens=48))
         assert alone.token_ids == expected[0], (draft, k)
-        if draft != "ngram":  # the int4 draft is the int4 target: it proposes what the target accepts
-            assert alone.speculative.acceptance_rate > 0.9, alone.speculative
+        if k == 1:  # the int4 draft is the int4 target: it proposes what the target accepts (fixed K: a
+            # proposal every step; auto K may choose 0 on a loaded box and leave a handful to judge)
+            stats = [o.speculative for o in [*outs, alone]]
+            proposed = sum(st.num_draft_tokens for st in stats)
+            assert proposed >= 40 and sum(st.num_accepted_tokens for st in stats) > 0.9 * proposed, stats
